@@ -1,0 +1,19 @@
+"""auditor: which tokens of a vocabulary head can never be the top prediction, with proofs.
+
+    import auditor
+    report = auditor.audit(weight, bias=None, domain="unbounded")
+    report.ids("unargmaxable"); report.tokens[k].witness; report.to_dict()
+"""
+
+from auditor.api import audit
+from auditor.domain import Ball, Box, Unbounded, parse_domain
+from auditor.errors import AuditorError, InputError
+from auditor.report import AuditReport, TokenVerdict
+from auditor.verify import Verification, verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "audit", "verify", "AuditReport", "TokenVerdict", "Verification",
+    "Ball", "Box", "Unbounded", "parse_domain", "AuditorError", "InputError", "__version__",
+]

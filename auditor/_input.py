@@ -1,0 +1,105 @@
+"""Checks user input and turns it into float64 torch tensors on one device.
+
+Every float16, bfloat16 and float32 value is exactly a float64 value, so the
+conversion loses nothing and every later certificate is about the very
+weights the user gave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from auditor.errors import InputError
+
+_FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+_NUMPY_FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` picks CUDA when it is there; ``"cpu"``/``"cuda"`` force it."""
+    if isinstance(device, torch.device):
+        chosen = device
+    elif device == "auto":
+        chosen = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            chosen = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise InputError(f"unknown device {device!r}: use 'auto', 'cpu' or 'cuda'") from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("device 'cuda' was asked for but torch sees no CUDA device; use 'auto' or 'cpu'")
+    if chosen.type not in ("cpu", "cuda"):
+        raise InputError(f"unsupported device {device!r}: use 'auto', 'cpu' or 'cuda'")
+    return chosen
+
+
+def _as_tensor(array, what: str) -> torch.Tensor:
+    if isinstance(array, torch.Tensor):
+        tensor = array.detach()
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise InputError(f"{what} has dtype {tensor.dtype}; use float16, bfloat16, float32 or float64")
+        return tensor
+    if isinstance(array, np.ndarray) or hasattr(array, "__array__"):
+        arr = np.asarray(array)
+        if arr.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 has the same bits as torch's
+            return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16)).view(torch.bfloat16)
+        if arr.dtype not in _NUMPY_FLOATS:
+            raise InputError(f"{what} has dtype {arr.dtype}; use float16, bfloat16, float32 or float64")
+        if any(step < 0 for step in arr.strides):
+            arr = np.ascontiguousarray(arr)
+        return torch.from_numpy(arr)
+    raise InputError(f"{what} must be a numpy array or a torch tensor, got {type(array).__name__}")
+
+
+def _first_bad_rows(finite_rows: torch.Tensor, limit: int = 5) -> str:
+    bad = torch.nonzero(~finite_rows).flatten()[:limit].tolist()
+    more = int((~finite_rows).sum()) - len(bad)
+    listed = ", ".join(str(i) for i in bad)
+    return listed + (f" and {more} more" if more > 0 else "")
+
+
+def prepare_inputs(weight, bias, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """Validate the head and return (weight, bias) as float64 on ``device``.
+
+    Returns the source dtype's name as the third value. Raises InputError for
+    wrong shapes, dtypes, empty heads and NaN or Inf entries (naming rows).
+    """
+    w = _as_tensor(weight, "the weight")
+    if w.ndim != 2:
+        raise InputError(f"the weight must be two-dimensional (vocabulary x hidden), got shape {tuple(w.shape)}")
+    n, d = w.shape
+    if n == 0 or d == 0:
+        raise InputError(f"the weight is empty (shape {n} x {d}); there is nothing to audit")
+    source_dtype = str(w.dtype).replace("torch.", "")
+    w64 = w.to(device=device, dtype=torch.float64)
+    finite = torch.isfinite(w64).all(dim=1)
+    if not bool(finite.all()):
+        raise InputError(f"the weight has NaN or Inf entries in rows {_first_bad_rows(finite)}")
+
+    b64 = None
+    if bias is not None:
+        b = _as_tensor(bias, "the bias")
+        if b.ndim != 1 or b.shape[0] != n:
+            raise InputError(f"the bias must be a vector of length {n} (one per row), got shape {tuple(b.shape)}")
+        b64 = b.to(device=device, dtype=torch.float64)
+        finite_b = torch.isfinite(b64)
+        if not bool(finite_b.all()):
+            raise InputError(f"the bias has NaN or Inf entries at rows {_first_bad_rows(finite_b)}")
+    return w64, b64, source_dtype
+
+
+def prepare_token_ids(tokens: Iterable[int] | None, n: int) -> np.ndarray:
+    """The sorted unique token ids to decide; all of them when ``tokens`` is None."""
+    if tokens is None:
+        return np.arange(n, dtype=np.int64)
+    try:
+        ids = np.unique(np.asarray(list(tokens), dtype=np.int64))
+    except (TypeError, ValueError):
+        raise InputError("tokens must be an iterable of integer token ids") from None
+    if ids.size and (ids[0] < 0 or ids[-1] >= n):
+        bad = ids[(ids < 0) | (ids >= n)][:5].tolist()
+        raise InputError(f"token ids {bad} are outside the vocabulary 0..{n - 1}")
+    return ids

@@ -1,0 +1,214 @@
+"""The engine: decides every requested token in stages, cheapest first.
+
+1. ties      exact duplicate rows become groups; one representative is decided
+2. screen    one Gram pass checks z = s (w_k - t c) for every token
+3. interior  a closed-form convex combination for rows deep inside the hull
+4. frank-wolfe  batched pairwise Frank-Wolfe on the min-norm problem (no bias)
+5. lp        constraint generation with cvxpy for whatever is left
+6. whatever no stage proved is ``inconclusive``, with the bounds found
+
+Each stage only proposes certificates; certify.py accepts or rejects them in
+float64, so no stage can turn a guess into a verdict.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from auditor.domain import Domain
+from auditor.engine.certify import check_convex, check_witnesses
+from auditor.engine.frank_wolfe import frank_wolfe
+from auditor.engine.head import EngineHead, build_engine_head
+from auditor.engine.interior import interior_certificates
+from auditor.engine.lp import lp_decide, polish
+from auditor.engine.screen import screen
+from auditor.engine.ties import duplicate_groups
+
+UNDECIDED, ARGMAXABLE, UNARGMAXABLE, TIED, INCONCLUSIVE = range(5)
+VERDICT_NAMES = ("undecided", "argmaxable", "unargmaxable", "tied", "inconclusive")
+STAGES = ("", "single row", "screen", "interior", "frank-wolfe", "lp")
+
+
+@dataclass
+class EngineOptions:
+    frank_wolfe_iterations: int = 100
+    lp_rounds: int = 30
+    residual_tol: float = 1e-10
+
+
+@dataclass
+class Decisions:
+    """Per-token verdicts and certificates, indexed by token id (length n arrays)."""
+
+    verdict: np.ndarray  # int8 codes, VERDICT_NAMES
+    margin: np.ndarray  # float64, nan where it does not apply
+    runner_up: np.ndarray  # int64, -1 where unknown
+    stage: np.ndarray  # int8 index into STAGES
+    witness_shift: np.ndarray  # witness = scale * (w_k - shift * centre) unless explicit
+    witness_scale: np.ndarray  # nan where there is no formula witness
+    representative: np.ndarray
+    centre: np.ndarray
+    explicit_witness: dict[int, np.ndarray] = field(default_factory=dict)
+    convex: dict[int, tuple[np.ndarray, np.ndarray, float, float]] = field(default_factory=dict)
+    bounds: dict[int, tuple[float, float]] = field(default_factory=dict)
+    group_verdict: dict[int, int] = field(default_factory=dict)  # tied token -> its group's verdict code
+    timings: dict[str, float] = field(default_factory=dict)
+    tolerances: dict[str, float] = field(default_factory=dict)
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled or total == 0,
+                leave=False, unit="tok", dynamic_ncols=True)
+
+
+def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, domain: Domain,
+           options: EngineOptions, progress: bool) -> Decisions:
+    n = weight.shape[0]
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+    representative = duplicate_groups(weight, bias)
+    head = build_engine_head(weight, bias, representative, domain, options.residual_tol)
+    timings["ties"] = time.perf_counter() - clock
+
+    out = Decisions(
+        verdict=np.zeros(n, dtype=np.int8), margin=np.full(n, np.nan), runner_up=np.full(n, -1, dtype=np.int64),
+        stage=np.zeros(n, dtype=np.int8), witness_shift=np.zeros(n), witness_scale=np.full(n, np.nan),
+        representative=representative, centre=head.centre.cpu().numpy(),
+        tolerances={"residual_tol": options.residual_tol, "weight_tolerance": head.weight_tolerance(),
+                    "bias_tolerance": head.bias_tolerance(), "logit_error_factor": head.error_factor},
+    )
+    todo = np.unique(representative[ids])
+
+    if head.n_competitors == 1:  # one distinct row: it wins everywhere, against nobody
+        out.verdict[todo] = ARGMAXABLE
+        out.margin[todo] = np.inf
+        out.stage[todo] = STAGES.index("single row")
+        for k in todo.tolist():
+            out.explicit_witness[k] = np.zeros(head.d)
+        todo = todo[:0]
+
+    clock = time.perf_counter()
+    with _bar(len(todo), "screening", progress) as bar:
+        screened = screen(head, todo, bar)
+    won = screened.certified
+    out.verdict[todo[won]] = ARGMAXABLE
+    out.stage[todo[won]] = STAGES.index("screen")
+    out.margin[todo[won]] = screened.margin[won]
+    out.runner_up[todo[won]] = screened.runner_up[won]
+    out.witness_shift[todo[won]] = screened.shift[won]
+    out.witness_scale[todo[won]] = screened.scale[won]
+    left, threat = todo[~won], screened.threat[~won]
+    timings["screen"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    for k, (indices, weights, residual, gap) in interior_certificates(head, left).items():
+        _set_convex(out, k, indices, weights, residual, gap, "interior")
+    keep = out.verdict[left] == UNDECIDED
+    left, threat = left[keep], threat[keep]
+    timings["interior"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    seeds: dict[int, list[np.ndarray]] = {int(k): [np.array([t])] for k, t in zip(left, threat)}
+    lower: dict[int, float] = {}
+    upper: dict[int, float] = {}
+    if head.bias is None and len(left) and options.frank_wolfe_iterations > 0:
+        with _bar(len(left), "frank-wolfe", progress) as bar:
+            outcomes = frank_wolfe(head, left, threat, options.frank_wolfe_iterations, bar)
+        _settle_frank_wolfe(head, out, left, outcomes, seeds, lower, upper)
+        left = left[out.verdict[left] == UNDECIDED]
+    timings["frank_wolfe"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    with _bar(len(left), "exact LP", progress) as bar:
+        for k in left.tolist():
+            result = lp_decide(head, k, np.concatenate(seeds[k]), max_rounds=options.lp_rounds)
+            if result.verdict == "argmaxable":
+                _set_witness(out, k, result.witness, result.margin, result.runner_up, "lp")
+            elif result.verdict == "unargmaxable":
+                _set_convex(out, k, result.indices, result.weights, result.residual, result.bias_gap, "lp")
+            else:
+                out.verdict[k] = INCONCLUSIVE
+                out.bounds[k] = (max(result.margin, lower.get(k, -np.inf)), min(result.residual, upper.get(k, np.inf)))
+            bar.update(1)
+    timings["lp"] = time.perf_counter() - clock
+
+    _spread_to_groups(out, ids)
+    out.timings = timings
+    return out
+
+
+def _set_witness(out: Decisions, k: int, witness: np.ndarray, margin: float, runner_up: int, stage: str) -> None:
+    out.verdict[k] = ARGMAXABLE
+    out.explicit_witness[k] = witness
+    out.margin[k] = margin
+    out.runner_up[k] = runner_up
+    out.stage[k] = STAGES.index(stage)
+
+
+def _set_convex(out: Decisions, k: int, indices, weights, residual: float, gap: float, stage: str) -> None:
+    out.verdict[k] = UNARGMAXABLE
+    order = np.argsort(-weights, kind="stable")  # largest weights first: the main competitors
+    out.convex[k] = (np.asarray(indices)[order], np.asarray(weights)[order], float(residual), float(gap))
+    out.stage[k] = STAGES.index(stage)
+
+
+def _settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:
+    """Accept Frank-Wolfe witnesses in their final form, and its weights where w_k is inside."""
+    won = [j for j, o in enumerate(outcomes) if o.certified]
+    if won:
+        witnesses = np.stack([outcomes[j].witness for j in won])
+        if head.domain.bounded:  # without a bias any positive multiple wins: move it into the domain
+            witnesses = np.stack([w * head.domain.largest_scale(w) for w in witnesses])
+        check = check_witnesses(head, ids[won], torch.as_tensor(witnesses, device=head.device))
+        for row, j in enumerate(won):
+            k = int(ids[j])
+            if check.certified[row]:
+                margin = outcomes[j].margin if not head.domain.bounded else float(check.margin[row])
+                _set_witness(out, k, witnesses[row], margin, int(check.runner_up[row]), "frank-wolfe")
+    for j, outcome in enumerate(outcomes):
+        k = int(ids[j])
+        if out.verdict[k] != UNDECIDED:
+            continue
+        lower[k] = outcome.margin
+        if outcome.support.size:
+            indices, weights, check = polish(head, k, outcome.support, outcome.support_weights)
+            upper[k] = check.residual
+            if check.accepted:
+                _set_convex(out, k, indices, weights, check.residual, check.bias_gap, "frank-wolfe")
+                continue
+            seeds[k].append(outcome.support)
+
+
+def _spread_to_groups(out: Decisions, ids: np.ndarray) -> None:
+    """Give every requested token its representative's answer; duplicates become ``tied``.
+
+    A representative that was decided only on behalf of its group, but was not
+    itself requested, goes back to undecided.
+    """
+    rep = out.representative
+    requested = np.zeros(rep.shape[0], dtype=bool)
+    requested[ids] = True
+    duplicated = np.bincount(rep, minlength=rep.shape[0])[rep] > 1
+    for k in np.nonzero(requested & duplicated)[0].tolist():
+        r = int(rep[k])
+        out.group_verdict[k] = int(out.verdict[r])
+        if k == r:
+            continue
+        for array in (out.margin, out.runner_up, out.stage, out.witness_shift, out.witness_scale):
+            array[k] = array[r]
+        for table in (out.explicit_witness, out.convex, out.bounds):
+            if r in table:
+                table[k] = table[r]
+    for k in np.nonzero(~requested & (out.verdict != UNDECIDED))[0].tolist():
+        out.verdict[k] = UNDECIDED
+        out.margin[k], out.runner_up[k], out.stage[k], out.witness_scale[k] = np.nan, -1, 0, np.nan
+        for table in (out.explicit_witness, out.convex, out.bounds):
+            table.pop(k, None)
+    for k in out.group_verdict:
+        out.verdict[k] = TIED

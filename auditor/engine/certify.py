@@ -1,0 +1,126 @@
+"""float64 checks of the two kinds of certificate.
+
+A witness z for token k is accepted when the computed margin
+min_{i != k} (l_k(z) - l_i(z)) stays positive after the worst rounding
+(rounding.py) and z lies in the domain. Convex weights alpha for token k are
+accepted when the residual ``||sum alpha_i w_i - w_k||`` and the bias gap
+``b_k - sum alpha_i b_i`` (unbounded domain), or the dual value
+``s_D(w_k - sum alpha_i w_i) + b_k - sum alpha_i b_i`` (bounded domain), are at
+most the head's tolerance. Both quantities are reported as rigorous upper
+bounds: rounding in forming the combination is added, not hoped away.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from auditor.domain import Ball, Box, Domain
+from auditor.engine.head import EngineHead
+from auditor.engine.rounding import gamma, proves_positive
+
+_COLUMN_BUDGET = 1 << 27  # float64 entries of one n x B logit block (1 GiB)
+
+
+@dataclass
+class WitnessCheck:
+    margin: np.ndarray  # computed min_{i != k} (l_k(z) - l_i(z)) per witness
+    certified: np.ndarray  # bool: positive beyond rounding and inside the domain
+    runner_up: np.ndarray  # the i attaining that minimum
+
+
+def inside_domain(domain: Domain, witnesses: torch.Tensor) -> torch.Tensor:
+    """Row-wise membership of a B x d block of witnesses."""
+    if isinstance(domain, Ball):
+        return torch.linalg.vector_norm(witnesses, dim=1) <= domain.radius
+    if isinstance(domain, Box):
+        return witnesses.abs().amax(dim=1) <= domain.radius
+    return torch.ones(witnesses.shape[0], dtype=torch.bool, device=witnesses.device)
+
+
+def check_witnesses(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor) -> WitnessCheck:
+    """Check witness ``witnesses[j]`` for token ``ids[j]`` against every competitor row."""
+    step = max(1, _COLUMN_BUDGET // max(head.n, 1))
+    parts = [_check_block(head, ids[s:s + step], witnesses[s:s + step]) for s in range(0, len(ids), step)]
+    if not parts:
+        empty = np.zeros(0)
+        return WitnessCheck(empty, empty.astype(bool), empty.astype(np.int64))
+    return WitnessCheck(*(np.concatenate([getattr(p, f) for p in parts])
+                          for f in ("margin", "certified", "runner_up")))
+
+
+def _check_block(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor) -> WitnessCheck:
+    k = torch.as_tensor(ids, device=head.device)
+    rows = torch.arange(len(ids), device=head.device)
+    logits = witnesses @ head.weight.T  # B x n, reduced along contiguous rows
+    if head.bias is not None:
+        logits += head.bias[None, :]
+    if head.row_mask is not None:
+        logits += head.row_mask[None, :]
+    own = logits[rows, k].clone()
+    logits[rows, k] = -torch.inf
+    best, runner_up = logits.max(dim=1)
+    margin = own - best
+    norm_z = torch.linalg.vector_norm(witnesses, dim=1)
+    own_bias = head.bias[k].abs() if head.bias is not None else 0.0
+    tolerance = head.error_factor * ((head.row_norm[k] + head.max_row_norm) * norm_z + own_bias + head.max_abs_bias)
+    certified = proves_positive(margin, tolerance) & inside_domain(head.domain, witnesses)
+    return WitnessCheck(margin.cpu().numpy(), certified.cpu().numpy(), runner_up.cpu().numpy())
+
+
+@dataclass
+class ConvexCheck:
+    residual: float  # unbounded: bound on ||sum alpha_i w_i - w_k||; bounded: bound on the dual value
+    bias_gap: float  # bound on b_k - sum alpha_i b_i (0 without bias)
+    accepted: bool
+
+
+def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray) -> ConvexCheck:
+    """Evaluate convex weights over rows ``indices`` as a certificate that k cannot win."""
+    indices = np.asarray(indices, dtype=np.int64)
+    weights = np.asarray(weights, dtype=np.float64)
+    valid = (indices.size > 0 and np.all(weights >= 0) and not np.any(indices == k)
+             and np.unique(indices).size == indices.size and np.all(np.isfinite(weights))
+             and np.all(head.representative[indices] == indices) and weights.sum() > 0)
+    if not valid:
+        return ConvexCheck(math.inf, math.inf, False)
+    device = head.device
+    index = torch.as_tensor(indices, device=device)
+    alpha = torch.as_tensor(weights, device=device)
+    s = indices.size
+    total = float(alpha.sum())
+    # The certificate is about alpha / sum(alpha), an exact point of the simplex.
+    drift = abs(total - 1.0) + gamma(s)
+    w_k = head.weight[k]
+    r_k = float(head.row_norm[k])
+    if 4 * s > head.n:  # a dense combination: one product with W, no copy of its rows
+        dense = torch.zeros(head.n, dtype=torch.float64, device=device).index_put_((index,), alpha)
+        combination = (dense @ head.weight) / total
+    else:
+        combination = (alpha @ head.weight.index_select(0, index)) / total
+    offset = (w_k - combination).cpu().numpy()
+    error = 2 * gamma(s + 2) * float(alpha @ head.row_norm[index]) / total + drift * r_k
+    delta = float(np.linalg.norm(offset)) * (1 + gamma(head.d + 1)) + error
+
+    gap = 0.0
+    if head.bias is not None:
+        b = head.bias[index]
+        b_k = float(head.bias[k])
+        gap = b_k - float(alpha @ b) / total
+        gap += 2 * gamma(s + 2) * float(alpha @ b.abs()) / total + drift * abs(b_k)
+
+    domain = head.domain
+    if not domain.bounded:
+        accepted = delta <= head.weight_tolerance() and gap <= head.bias_tolerance()
+        return ConvexCheck(delta, gap, bool(accepted))
+    if isinstance(domain, Ball):
+        support, reach = domain.radius * delta, domain.radius
+    else:
+        support = domain.radius * (float(np.abs(offset).sum()) * (1 + gamma(head.d)) + math.sqrt(head.d) * error)
+        reach = domain.radius * math.sqrt(head.d)
+    value = support + gap
+    tolerance = head.residual_tol * (reach * head.max_row_norm + head.max_abs_bias)
+    return ConvexCheck(value, gap, bool(value <= tolerance))

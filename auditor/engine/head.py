@@ -1,0 +1,100 @@
+"""The head as the engine sees it: float64 rows on one device, plus what every stage reuses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from auditor.domain import Domain
+from auditor.engine.rounding import logit_error_factor
+
+
+@dataclass
+class EngineHead:
+    """float64 weight and bias on the compute device, with per-row facts computed once.
+
+    ``competitor`` marks the rows a token must beat: one representative per
+    group of exact duplicates. ``row_mask`` is 0 on competitors and -inf on the
+    other copies, added to logits so that the copies never count as rivals.
+    """
+
+    weight: torch.Tensor  # n x d, float64
+    bias: torch.Tensor | None  # n, float64
+    representative: np.ndarray  # n, smallest id of each row's duplicate group
+    competitor: torch.Tensor  # n, bool
+    row_mask: torch.Tensor | None  # n, 0 or -inf; None when there are no duplicates
+    row_norm: torch.Tensor  # n, ||w_i||
+    max_row_norm: float  # over competitors
+    max_abs_bias: float  # over competitors, 0 without bias
+    centre: torch.Tensor  # d, mean of the competitor rows
+    centre_logits: torch.Tensor  # n, w_i . centre
+    domain: Domain
+    residual_tol: float  # relative tolerance for the residual of a convex certificate
+
+    @property
+    def n(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def d(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def error_factor(self) -> float:
+        return logit_error_factor(self.d)
+
+    @property
+    def n_competitors(self) -> int:
+        return int(self.competitor.sum())
+
+    def weight_tolerance(self) -> float:
+        """Largest residual ||sum_i alpha_i w_i - w_k|| a convex certificate may rest on."""
+        return self.residual_tol * max(self.max_row_norm, np.finfo(np.float64).tiny)
+
+    def bias_tolerance(self) -> float:
+        """Largest bias gap b_k - sum_i alpha_i b_i a convex certificate may rest on."""
+        return self.residual_tol * max(self.max_abs_bias, self.max_row_norm, np.finfo(np.float64).tiny)
+
+    def rows(self, ids) -> np.ndarray:
+        """float64 numpy copies of some rows (for the small per-token problems)."""
+        index = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=self.device)
+        return self.weight.index_select(0, index).cpu().numpy()
+
+    def biases(self, ids) -> np.ndarray:
+        if self.bias is None:
+            return np.zeros(len(ids))
+        index = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=self.device)
+        return self.bias.index_select(0, index).cpu().numpy()
+
+
+def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, representative: np.ndarray,
+                      domain: Domain, residual_tol: float) -> EngineHead:
+    device = weight.device
+    competitor_np = representative == np.arange(representative.shape[0])
+    competitor = torch.as_tensor(competitor_np, device=device)
+    row_mask = None
+    if not competitor_np.all():
+        row_mask = torch.zeros(weight.shape[0], dtype=torch.float64, device=device)
+        row_mask[~competitor] = -torch.inf
+    row_norm = torch.linalg.vector_norm(weight, dim=1)
+    centre = weight[competitor].mean(dim=0)
+    return EngineHead(
+        weight=weight,
+        bias=bias,
+        representative=representative,
+        competitor=competitor,
+        row_mask=row_mask,
+        row_norm=row_norm,
+        max_row_norm=float(row_norm[competitor].max()),
+        max_abs_bias=0.0 if bias is None else float(bias[competitor].abs().max()),
+        centre=centre,
+        centre_logits=weight @ centre,
+        domain=domain,
+        residual_tol=residual_tol,
+    )

@@ -1,0 +1,33 @@
+"""Rigorous bounds on float64 rounding error, so that a computed margin proves a sign.
+
+A dot product of length d computed in floating point (any order, with or
+without fused multiply-add) is within gamma_d * |x|.|y| of the exact value,
+gamma_d = d u / (1 - d u), u = 2^-53 (Higham, Accuracy and Stability of
+Numerical Algorithms, 2nd ed., section 3.1). We bound |x|.|y| by ||x|| ||y||
+(Cauchy-Schwarz) so that one norm per row serves every witness, allow four
+more roundings for adding a bias, a shift and a scale, and double the result
+to cover the rounding of the bound's own arithmetic and of storing the witness.
+"""
+
+from __future__ import annotations
+
+UNIT_ROUNDOFF = 2.0**-53
+
+
+def gamma(n: int) -> float:
+    return n * UNIT_ROUNDOFF / (1.0 - n * UNIT_ROUNDOFF)
+
+
+def logit_error_factor(d: int) -> float:
+    """f such that a computed logit w.z + b is within f (||w|| ||z|| + |b|) of the exact one."""
+    return 2.0 * gamma(d + 4)
+
+
+def proves_positive(margin, tolerance):
+    """True where a computed difference is positive even after the worst rounding.
+
+    ``margin`` is fl(l_k) - fl(l_i) and ``tolerance`` bounds the error of the two
+    logits; the subtraction itself adds at most one rounding, the (1 - u) factor.
+    Works on floats and on tensors alike.
+    """
+    return margin * (1.0 - UNIT_ROUNDOFF) > tolerance

@@ -1,0 +1,200 @@
+"""What an audit returns: a verdict and its certificate for every token."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from auditor.engine import STAGES, TIED, UNDECIDED, VERDICT_NAMES, Decisions
+
+VERDICTS = ("argmaxable", "unargmaxable", "tied", "inconclusive", "undecided")
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TokenVerdict:
+    """One token's verdict with its certificate.
+
+    argmaxable: ``witness`` (float64 z in the domain) and ``margin``, the computed
+    min_{i != k} (l_k(z) - l_i(z)); for an unbounded head without bias the margin
+    is quoted on the unit ball, i.e. for z / ||z||.
+    unargmaxable: ``convex_indices`` and ``convex_weights`` (largest first; they
+    sum to 1 and never include k) and ``residual``: an upper bound on
+    ||sum alpha_i w_i - w_k|| in the unbounded domain, on the dual value
+    s_D(w_k - sum alpha_i w_i) + b_k - sum alpha_i b_i in a bounded one;
+    ``bias_gap`` bounds b_k - sum alpha_i b_i.
+    tied: ``tied_with`` lists the tokens with the identical row, and
+    ``group_verdict`` says whether the group as a whole could win; the
+    certificate fields then hold the group's certificate.
+    inconclusive: ``bounds`` = (best witness margin found, best dual bound found).
+    Fields that do not apply are None.
+    """
+
+    id: int
+    verdict: str
+    margin: float | None = None
+    witness: np.ndarray | None = None
+    runner_up: int | None = None
+    convex_indices: np.ndarray | None = None
+    convex_weights: np.ndarray | None = None
+    residual: float | None = None
+    bias_gap: float | None = None
+    tied_with: list[int] | None = None
+    group_verdict: str | None = None
+    bounds: tuple[float, float] | None = None
+    stage: str | None = None
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+class _TokenList(Sequence):
+    """``report.tokens[k]``: builds each TokenVerdict on demand, witnesses included."""
+
+    def __init__(self, report: AuditReport):
+        self._report = report
+
+    def __len__(self) -> int:
+        return self._report.n_tokens
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        k = int(k)
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            raise IndexError(f"token id {k} is outside the vocabulary 0..{len(self) - 1}")
+        return self._report._token(k)
+
+
+class AuditReport:
+    """The result of ``auditor.audit``: ``tokens[k]``, ``ids(verdict)``, ``counts``, ``to_dict()``."""
+
+    def __init__(self, decisions: Decisions, weight_rows, *, n_tokens: int, hidden_size: int, dtype: str,
+                 has_bias: bool, domain, device: str, timings: dict[str, float]):
+        self._d = decisions
+        self._row = weight_rows  # k -> float64 row, read from the caller's array without a copy of it
+        self.n_tokens = n_tokens
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.has_bias = has_bias
+        self.domain = domain
+        self.device = device
+        self.timings = timings
+        self.tolerances = dict(decisions.tolerances)
+        self.tokens = _TokenList(self)
+        rep = decisions.representative
+        members: dict[int, list[int]] = {}
+        for k in np.nonzero(np.bincount(rep, minlength=n_tokens)[rep] > 1)[0].tolist():
+            members.setdefault(int(rep[k]), []).append(k)
+        self._groups = members
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def ids(self, verdict: str) -> list[int]:
+        """Sorted ids of the tokens with this verdict."""
+        if verdict not in VERDICTS:
+            raise ValueError(f"unknown verdict {verdict!r}; use one of {', '.join(VERDICTS)}")
+        return np.nonzero(self._d.verdict == VERDICT_NAMES.index(verdict))[0].tolist()
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Number of tokens per verdict (every verdict present, zero included)."""
+        tally = np.bincount(self._d.verdict, minlength=len(VERDICT_NAMES))
+        return {name: int(tally[VERDICT_NAMES.index(name)]) for name in VERDICTS}
+
+    def witness(self, k: int) -> np.ndarray | None:
+        d = self._d
+        if k in d.explicit_witness:
+            return d.explicit_witness[k]
+        scale = d.witness_scale[k]
+        if not np.isfinite(scale):
+            return None
+        direction = self._row(k)
+        if d.witness_shift[k]:
+            direction = direction - d.witness_shift[k] * d.centre
+        return direction * scale if scale != 1.0 else direction
+
+    def _token(self, k: int) -> TokenVerdict:
+        d = self._d
+        code = int(d.verdict[k])
+        fields: dict = {"id": k, "verdict": VERDICT_NAMES[code]}
+        if code == UNDECIDED:
+            return TokenVerdict(**fields)
+        fields["stage"] = STAGES[int(d.stage[k])] or None
+        if code == TIED:
+            fields["tied_with"] = [j for j in self._groups[int(d.representative[k])] if j != k]
+            fields["group_verdict"] = VERDICT_NAMES[d.group_verdict[k]]
+        if k in d.convex:
+            indices, weights, residual, gap = d.convex[k]
+            fields.update(convex_indices=indices, convex_weights=weights, residual=residual, bias_gap=gap)
+        witness = self.witness(k)
+        if witness is not None:
+            fields.update(witness=witness, margin=float(d.margin[k]))
+            if d.runner_up[k] >= 0:
+                fields["runner_up"] = int(d.runner_up[k])
+        if k in d.bounds:
+            fields["bounds"] = d.bounds[k]
+        return TokenVerdict(**fields)
+
+    # -- serialisation ---------------------------------------------------------------------------
+
+    def to_dict(self, *, include_argmaxable: bool = True) -> dict:
+        """A JSON-serialisable dict with every certificate.
+
+        A witness that is a multiple of a shifted row is written as
+        ``{"row": k, "minus_centre": t, "scale": s}`` meaning
+        ``z = s * (w_k - t * centre)`` with the top-level ``centre``; any other
+        witness is written out as a list. Infinite or undefined numbers are null.
+        """
+        d = self._d
+        tokens = []
+        for k in range(self.n_tokens):
+            code = int(d.verdict[k])
+            if code == UNDECIDED or (code == VERDICT_NAMES.index("argmaxable") and not include_argmaxable):
+                continue
+            token = self.tokens[k]
+            entry = {"id": k, "verdict": token.verdict, "stage": token.stage}
+            if token.witness is not None:
+                entry["margin"] = _finite_or_none(token.margin)
+                entry["runner_up"] = token.runner_up
+                if k in d.explicit_witness:
+                    entry["witness"] = [float(v) for v in token.witness]
+                else:
+                    entry["witness"] = {"row": k, "minus_centre": float(d.witness_shift[k]),
+                                        "scale": float(d.witness_scale[k])}
+            if token.convex_indices is not None:
+                entry["convex"] = {"indices": [int(i) for i in token.convex_indices],
+                                   "weights": [float(w) for w in token.convex_weights],
+                                   "residual": _finite_or_none(token.residual),
+                                   "bias_gap": _finite_or_none(token.bias_gap)}
+            if token.tied_with is not None:
+                entry["tied_with"] = token.tied_with
+                entry["group_verdict"] = token.group_verdict
+            if token.bounds is not None:
+                entry["bounds"] = {"margin_lower": _finite_or_none(token.bounds[0]),
+                                   "margin_upper": _finite_or_none(token.bounds[1])}
+            tokens.append(entry)
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "head": {"n_tokens": self.n_tokens, "hidden_size": self.hidden_size, "dtype": self.dtype,
+                     "bias": self.has_bias},
+            "domain": str(self.domain),
+            "device": self.device,
+            "counts": self.counts,
+            "tolerances": self.tolerances,
+            "timings": {name: round(seconds, 6) for name, seconds in self.timings.items()},
+            "centre": [float(v) for v in d.centre],
+            "tokens": tokens,
+        }
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{name} {count}" for name, count in self.counts.items() if count)
+        return f"<AuditReport {self.n_tokens} x {self.hidden_size} {self.dtype}, {self.domain}: {counts}>"
