@@ -12,6 +12,11 @@ which is the best margin on the unit ball. The parts, after FrankWolfe.jl:
   the Frank-Wolfe vertex with an exact line search, which converges linearly
   on polytopes where plain Frank-Wolfe does not.
 
+The norm is the Mahalanobis one, ||x||_M^2 = x^T M x with M the precision of
+the rows (head.precision): the same as running Frank-Wolfe on the whitened
+head, which is round where trained heads are long and thin. Verdicts are
+invariant under that change of coordinates; the candidate witness is z = M x.
+
 Tokens leave the batch as soon as they are certified, when x shrinks to the
 residual tolerance (w_k is then inside the hull: the later stages prove it), or
 when the pairwise gap closes.
@@ -76,6 +81,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
     running = torch.ones(len(ids), dtype=torch.bool, device=device)
     best_margin = torch.full((len(ids),), -torch.inf, dtype=torch.float64, device=device)
     tiny = head.weight_tolerance()
+    metric = head.precision
 
     for _ in range(iterations):
         live = torch.nonzero(running).flatten()
@@ -83,20 +89,21 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
             break
         k = k_all[live]
         xs = x[live]
-        scores, own = _rival_scores(head, xs, k)
+        zs = xs @ metric
+        scores, own = _rival_scores(head, zs, k)
         fw_score, fw_vertex = scores.max(dim=1)
 
-        # Every iterate is a candidate witness: z = x wins if its own score beats every rival.
-        norm_x = torch.linalg.vector_norm(xs, dim=1)
+        # Every iterate is a candidate witness: z = M x wins if its own score beats every rival.
+        norm_z = torch.linalg.vector_norm(zs, dim=1)
         margin = own - fw_score
-        tolerance = head.error_factor * (head.row_norm[k] + head.max_row_norm) * norm_x
+        tolerance = head.error_factor * (head.row_norm[k] + head.max_row_norm) * norm_z
         certified = proves_positive(margin, tolerance)
-        unit_margin = torch.where(norm_x > 0, margin / norm_x, torch.full_like(margin, -torch.inf))
+        unit_margin = torch.where(norm_z > 0, margin / norm_z, torch.full_like(margin, -torch.inf))
         best_margin[live] = torch.maximum(best_margin[live], unit_margin)
         for j in torch.nonzero(certified).flatten().tolist():
             slot = int(live[j])
             outcomes[slot].certified = True
-            outcomes[slot].witness = xs[j].cpu().numpy().copy()
+            outcomes[slot].witness = zs[j].cpu().numpy().copy()
             outcomes[slot].margin = float(unit_margin[j])
             outcomes[slot].runner_up = int(fw_vertex[j])
 
@@ -105,7 +112,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
         away_score, away_vertex = torch.where(weights > 0, scores, torch.full_like(scores, torch.inf)).min(dim=1)
         gap = fw_score - away_score
         direction = W[fw_vertex] - W[away_vertex]
-        length2 = (direction * direction).sum(dim=1)
+        length2 = ((direction @ metric) * direction).sum(dim=1)
         available = weights.gather(1, away_vertex[:, None]).squeeze(1)
         step = torch.where(length2 > 0, gap / length2, torch.zeros_like(gap)).clamp(min=0)
         step = torch.minimum(step, available)

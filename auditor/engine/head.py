@@ -61,6 +61,24 @@ class EngineHead:
         """Largest bias gap b_k - sum_i alpha_i b_i a convex certificate may rest on."""
         return self.residual_tol * max(self.max_abs_bias, self.max_row_norm, np.finfo(np.float64).tiny)
 
+    _precision: torch.Tensor | None = None
+
+    @property
+    def precision(self) -> torch.Tensor:
+        """Pseudo-inverse of the covariance of the competitor rows (d x d), computed on first use.
+
+        Whitening by it makes an anisotropic head round; verdicts do not change
+        under invertible linear maps, but first-order methods converge faster.
+        """
+        if self._precision is None:
+            centred = self.weight[self.competitor] - self.centre
+            covariance = centred.T @ centred / max(centred.shape[0], 1)
+            eigval, eigvec = torch.linalg.eigh(covariance)
+            # Drop the null directions: the rows of a LayerNorm-ed head span only a subspace.
+            keep = eigval > eigval.max() * self.d * np.finfo(np.float64).eps
+            self._precision = (eigvec[:, keep] / eigval[keep]) @ eigvec[:, keep].T
+        return self._precision
+
     def rows(self, ids) -> np.ndarray:
         """float64 numpy copies of some rows (for the small per-token problems)."""
         index = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=self.device)

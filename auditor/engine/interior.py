@@ -32,12 +32,7 @@ def interior_certificates(head: EngineHead, ids: np.ndarray) -> dict[int, tuple[
     m = rows.numel()
     if m <= head.d:
         return {}  # too few rows for a full-dimensional cloud; leave it to the exact stages
-    centred = head.weight.index_select(0, rows) - head.centre
-    covariance = centred.T @ centred / m
-    # Pseudo-inverse: the rows of a LayerNorm-ed head span only a subspace.
-    eigval, eigvec = torch.linalg.eigh(covariance)
-    keep = eigval > eigval.max() * head.d * np.finfo(np.float64).eps
-    inverse = (eigvec[:, keep] / eigval[keep]) @ eigvec[:, keep].T
+    inverse = head.precision
 
     found = {}
     position = {int(r): j for j, r in enumerate(rows.tolist())} if m < head.n else None
@@ -45,7 +40,9 @@ def interior_certificates(head: EngineHead, ids: np.ndarray) -> dict[int, tuple[
         batch = ids[s:s + 64]
         k = torch.as_tensor(batch, device=head.device)
         offsets = (head.weight[k] - head.centre) @ inverse  # B x d
-        alpha = (1.0 + centred @ offsets.T) / m  # m x B
+        # (w_i - c) . offset for every competitor i, without a centred copy of the head
+        projections = (head.weight @ offsets.T - head.centre @ offsets.T)[rows]
+        alpha = (1.0 + projections) / m  # m x B
         for j, token in enumerate(batch.tolist()):
             weights = alpha[:, j]
             own = position[token] if position is not None else token
