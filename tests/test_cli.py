@@ -1,0 +1,60 @@
+"""The ``audit`` command on the committed fixtures: exit codes, text and JSON."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], capture_output=True, text=True)
+
+
+def test_demo_head_findings_are_the_resized_rows_the_copy_and_nothing_else():
+    done = run(FIXTURES / "resized_demo.safetensors", "--json", "--quiet")
+    assert done.returncode == 1
+    report = json.loads(done.stdout)
+    findings = {entry["id"]: entry["verdict"] for entry in report["tokens"] if entry["verdict"] != "argmaxable"}
+    added = {k: "unargmaxable" for k in (4000, 4001, 4002, 4003)}
+    assert {k: v for k, v in findings.items() if k >= 4000 or v == "tied"} == {**added, 17: "tied", 4004: "tied"}
+    assert done.stderr == ""
+
+
+def test_seed_fixture_text_report_names_the_middle_row():
+    done = run(FIXTURES / "seed_2d.safetensors", "--quiet")
+    assert done.returncode == 1
+    assert "unargmaxable 1" in done.stdout
+    assert any(line.split()[:2] == ["4", "unargmaxable"] for line in done.stdout.splitlines())
+
+
+def test_a_clean_head_exits_zero(tmp_path):
+    path = tmp_path / "clean.safetensors"
+    save_file({"weight": np.eye(4, dtype=np.float32)}, str(path))
+    assert run(path, "--quiet").returncode == 0
+
+
+def test_missing_file_is_one_line_and_exit_two(tmp_path):
+    done = run(tmp_path / "absent.safetensors")
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "no such file" in done.stderr
+
+
+def test_truncated_file_is_exit_two_without_traceback(tmp_path):
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes((FIXTURES / "resized_demo.safetensors").read_bytes()[:1000])
+    done = run(path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+def test_nan_weights_name_the_row_and_exit_two(tmp_path):
+    weight = np.ones((5, 3), dtype=np.float32)
+    weight[3, 2] = np.nan
+    path = tmp_path / "nan.safetensors"
+    save_file({"weight": weight}, str(path))
+    done = run(path)
+    assert done.returncode == 2 and "rows 3" in done.stderr and "Traceback" not in done.stderr
