@@ -115,3 +115,12 @@ def test_an_exhausted_budget_gives_inconclusive_with_bounds_not_a_guess(rng):
     assert token.witness is None and token.convex_indices is None
     lower, upper = token.bounds  # the best witness margin and the best residual: 0 lies between them
     assert -np.inf < lower <= 0 <= upper < np.inf
+
+
+def test_progress_goes_to_stderr_and_can_be_silenced(rng, capsys):
+    W = planted_head(rng, 300, 8, interior=3)
+    auditor.audit(W, progress=False)
+    assert capsys.readouterr().err == ""
+    auditor.audit(W, progress=True)
+    captured = capsys.readouterr()
+    assert "screening" in captured.err and captured.out == ""

@@ -97,11 +97,22 @@ def test_duplicates_are_tied_and_their_group_is_decided(rng):
 
 def test_random_heads_agree_with_the_plain_lp(rng):
     W = planted_head(rng, 150, 10, interior=8)
+    W = np.vstack([W, W[[5, 154]]])  # a copy of an outer row and of a planted interior row
     b = rng.normal(scale=0.3, size=W.shape[0])
+    b[-2:] = b[[5, 154]]
+    copies = {5: 158, 158: 5, 154: 159, 159: 154}
     for bias in (None, b):
         report = auditor.audit(W, bias, progress=False)
+        assert report.ids("tied") == sorted(copies)
         for k in range(W.shape[0]):
-            assert report.tokens[k].verdict == lp_verdict(W, bias, k), k
+            token = report.tokens[k]
+            if k in copies:  # the group as a whole, against every other row
+                assert token.tied_with == [copies[k]]
+                assert token.group_verdict == lp_verdict(np.delete(W, copies[k], axis=0),
+                                                         None if bias is None else np.delete(bias, copies[k]),
+                                                         k if k < copies[k] else k - 1)
+            else:
+                assert token.verdict == lp_verdict(W, bias, k), k
 
 
 @pytest.mark.parametrize("radius", [0.05, 0.5, 5.0])
