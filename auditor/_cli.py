@@ -1,98 +1,140 @@
-"""The ``audit`` command: wires a checkpoint file to the engine and prints a report.
+"""The ``audit`` command: loader -> engine -> gate -> format, and nothing else.
 
-Exit codes: 0 no finding, 1 some token is unargmaxable, tied or inconclusive,
-2 usage, load or input error (one line on stderr).
+Exit codes: 0 no failing finding, 1 at least one, 2 usage, load or input
+error (one line on stderr, no traceback unless --debug, no file left behind).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import auditor
 from auditor.errors import AuditorError, InputError
-
-EXIT_CLEAN, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
-_FINDINGS = ("unargmaxable", "tied", "inconclusive")
-
-
-def _load_safetensors(path: Path):
-    """The head in a .safetensors file: tensors named weight/bias, else the only 2-D tensor."""
-    from safetensors import SafetensorError, safe_open
-
-    if not path.exists():
-        raise InputError(f"{path}: no such file")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            names = list(f.keys())
-            shapes = {name: f.get_slice(name).get_shape() for name in names}
-            matrices = [name for name in names if len(shapes[name]) == 2]
-            if "weight" in names:
-                weight_name = "weight"
-            elif len(matrices) == 1:
-                weight_name = matrices[0]
-            else:
-                listed = ", ".join(matrices) or "none"
-                raise InputError(f"{path}: cannot tell which 2-D tensor is the head (candidates: {listed})")
-            weight = f.get_tensor(weight_name)
-            bias = f.get_tensor("bias") if "bias" in names else None
-    except (SafetensorError, OSError) as error:
-        raise InputError(f"{path}: not a readable safetensors file ({error})") from None
-    return weight_name, weight, bias
+from auditor.formats import FORMATS
+from auditor.gate import EXIT_ERROR, AllowList, parse_fail_on, run_gate
 
 
-def _text(report, path: Path, weight_name: str) -> str:
-    lines = [
-        f"head      {path} [{weight_name}] {report.n_tokens} x {report.hidden_size} {report.dtype}"
-        f"{' with bias' if report.has_bias else ''}",
-        f"domain    {report.domain}",
-        "verdicts  " + ", ".join(f"{name} {count}" for name, count in report.counts.items() if count),
-        f"time      {report.timings['total']:.2f} s",
-    ]
-    findings = [t for name in _FINDINGS for t in (report.tokens[k] for k in report.ids(name))]
-    if findings:
-        lines += ["", f"{'id':>8}  {'verdict':<13} {'evidence':<28} main competitors"]
-    for token in sorted(findings, key=lambda t: t.id):
-        if token.verdict == "tied":
-            evidence = f"same row as {', '.join(map(str, token.tied_with))}"
-            rivals = f"group {token.group_verdict}"
-        elif token.verdict == "unargmaxable":
-            evidence = f"residual {token.residual:.2e}"
-            top = list(zip(token.convex_indices[:3], token.convex_weights[:3]))
-            rivals = ", ".join(f"{i} ({w:.2g})" for i, w in top) + (" ..." if len(token.convex_indices) > 3 else "")
-        else:
-            lower, upper = token.bounds
-            evidence, rivals = f"margin in [{lower:.1e}, {upper:.1e}]", ""
-        lines.append(f"{token.id:>8}  {token.verdict:<13} {evidence:<28} {rivals}")
-    return "\n".join(lines)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # usage errors exit 2 with one line, like every other error
+        self.exit(EXIT_ERROR, f"audit: error: {message} (see audit --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="audit", description="Find the tokens of a head that can never be the top prediction.")
-    parser.add_argument("path", type=Path, help="a .safetensors file holding the head")
+    parser = _Parser(prog="audit", description="Find the tokens of a language model's head that can never be its "
+                                               "top prediction, and prove every verdict.")
+    parser.add_argument("path", type=Path, help="a checkpoint file (.safetensors, .bin/.pt, .npy/.npz, .gguf) or a model folder")
+    parser.add_argument("--weight", metavar="NAME", help="the head's weight tensor (default: detected)")
+    parser.add_argument("--bias", metavar="NAME", help="the head's bias tensor (default: detected)")
     parser.add_argument("--domain", default="unbounded", help="unbounded (default), ball:R or box:R")
-    parser.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
-    parser.add_argument("--json", action="store_true", help="print the JSON report with every certificate")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--device", default="auto", help="auto (default: CUDA when available), cpu or cuda")
+    parser.add_argument("--tokens", metavar="IDS", help="decide only these ids, e.g. 0-99,50256,128000- (the rest are undecided)")
+    parser.add_argument("--format", choices=sorted(FORMATS), default="text", help="report format (default: text)")
+    parser.add_argument("--output", type=Path, metavar="FILE", help="write the report to FILE (atomically) instead of stdout")
+    parser.add_argument("--fail-on", default="unargmaxable,tied,inconclusive", metavar="VERDICTS",
+                        help="verdicts that fail the run (default: unargmaxable,tied,inconclusive; 'none' never fails)")
+    parser.add_argument("--allow", type=Path, metavar="FILE", help="expected findings: token ids or exact token strings, one per line")
+    parser.add_argument("--certificates", type=Path, metavar="FILE", help="write every certificate as JSON, for re-checking")
+    parser.add_argument("--list-tensors", action="store_true", help="list the checkpoint's 2-D tensors and exit")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars (they show only when stderr is a terminal)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     parser.add_argument("--version", action="version", version=f"auditor {auditor.__version__}")
     return parser
 
 
+def parse_token_ids(text: str, n: int) -> list[int]:
+    """``"0-99,1000,2000-"`` -> ids; an open range runs to the last row."""
+    ids: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        start, dash, stop = part.partition("-")
+        try:
+            first = int(start)
+            last = (int(stop) if stop else n - 1) if dash else first
+        except ValueError:
+            raise InputError(f"--tokens: {part!r} is not an id or a range like 10-20") from None
+        if first < 0 or last >= n or first > last:
+            raise InputError(f"--tokens: {part!r} is outside the vocabulary 0..{n - 1}")
+        ids.extend(range(first, last + 1))
+    if not ids:
+        raise InputError("--tokens: no token ids given")
+    return ids
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder and rename: readers never see half a file."""
+    folder = path.resolve().parent
+    if not folder.is_dir():
+        raise InputError(f"{path}: the folder {folder} does not exist")
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _list_tensors(path: Path) -> str:
+    from auditor.loader import list_tensors
+
+    rows = [info for info in list_tensors(path) if len(info.shape) == 2]
+    width = max((len(info.name) for info in rows), default=4)
+    return "".join(f"{info.name:<{width}}  {' x '.join(map(str, info.shape)):>14}  {info.dtype}\n" for info in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    from auditor.loader import load_head
+
+    if args.list_tensors:
+        sys.stdout.write(_list_tensors(args.path))
+        return 0
+    progress = not args.quiet and sys.stderr.isatty()  # bars in a terminal, never in CI logs
+    fail_on = parse_fail_on(args.fail_on)
+    allow = AllowList.read(args.allow) if args.allow else None
+    started = time.perf_counter()
+    head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress)
+    load_seconds = time.perf_counter() - started
+    tokens = parse_token_ids(args.tokens, head.shape[0]) if args.tokens else None
+    report = auditor.audit(head.weight, head.bias, domain=args.domain, device=args.device, tokens=tokens,
+                           progress=progress)
+    result = run_gate(head, report, fail_on, allow, load_seconds)
+    rendered = FORMATS[args.format](result)
+    if args.certificates:
+        document = report.to_dict()
+        document["head"].update(path=str(head.path), weight_tensor=head.weight_name, bias_tensor=head.bias_name)
+        write_atomically(args.certificates, json.dumps(document, allow_nan=False) + "\n")
+    if args.output:
+        write_atomically(args.output, rendered)
+    else:
+        sys.stdout.write(rendered)
+    return result.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        weight_name, weight, bias = _load_safetensors(args.path)
-        report = auditor.audit(weight, bias, domain=args.domain, device=args.device, progress=not args.quiet)
+        return run(args)
     except AuditorError as error:
         if args.debug:
             raise
         print(f"audit: error: {error}", file=sys.stderr)
         return EXIT_ERROR
-    if args.json:
-        print(json.dumps(report.to_dict(), allow_nan=False))
-    else:
-        print(_text(report, args.path, weight_name))
-    return EXIT_FINDINGS if any(report.counts[name] for name in _FINDINGS) else EXIT_CLEAN
+    except KeyboardInterrupt:
+        print("audit: interrupted", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as error:  # an unexpected failure still gets one line; --debug shows where
+        if args.debug:
+            raise
+        print(f"audit: error: {type(error).__name__}: {error} (run with --debug for the traceback)", file=sys.stderr)
+        return EXIT_ERROR

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -45,12 +47,15 @@ def _as_tensor(array, what: str) -> torch.Tensor:
     if isinstance(array, np.ndarray) or hasattr(array, "__array__"):
         arr = np.asarray(array)
         if arr.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 has the same bits as torch's
-            return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16)).view(torch.bfloat16)
+            return torch.from_numpy(np.array(arr).view(np.int16)).view(torch.bfloat16)
         if arr.dtype not in _NUMPY_FLOATS:
             raise InputError(f"{what} has dtype {arr.dtype}; use float16, bfloat16, float32 or float64")
         if any(step < 0 for step in arr.strides):
             arr = np.ascontiguousarray(arr)
-        return torch.from_numpy(arr)
+        with warnings.catch_warnings():
+            # memory-mapped arrays are read-only; the engine never writes to them (it copies to float64)
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(arr)
     raise InputError(f"{what} must be a numpy array or a torch tensor, got {type(array).__name__}")
 
 

@@ -16,10 +16,10 @@ def run(*args):
 
 
 def test_demo_head_findings_are_the_resized_rows_the_copy_and_nothing_else():
-    done = run(FIXTURES / "resized_demo.safetensors", "--json", "--quiet")
+    done = run(FIXTURES / "resized_demo.safetensors", "--format", "json", "--quiet")
     assert done.returncode == 1
     report = json.loads(done.stdout)
-    findings = {entry["id"]: entry["verdict"] for entry in report["tokens"] if entry["verdict"] != "argmaxable"}
+    findings = {entry["id"]: entry["verdict"] for entry in report["findings"]}
     added = {k: "unargmaxable" for k in (4000, 4001, 4002, 4003)}
     assert {k: v for k, v in findings.items() if k >= 4000 or v == "tied"} == {**added, 17: "tied", 4004: "tied"}
     assert done.stderr == ""

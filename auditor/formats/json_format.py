@@ -1,0 +1,59 @@
+"""JSON for machines: a stable schema (see README) with one object per finding."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import auditor
+from auditor.gate import GateResult
+
+SCHEMA_VERSION = 1
+
+
+def _number(value):
+    return float(value) if value is not None and math.isfinite(value) else None
+
+
+def render(result: GateResult) -> str:
+    head, report = result.head, result.report
+    norm = head.final_norm
+    document = {
+        "schema_version": SCHEMA_VERSION,
+        "tool": {"name": "auditor", "version": auditor.__version__},
+        "head": {
+            "path": str(head.path) if head.path else None,
+            "format": head.source_format,
+            "weight": head.weight_name,
+            "bias": head.bias_name,
+            "shape": list(head.shape),
+            "dtype": head.dtype,
+            "tied": head.tied,
+            "final_norm": {"kind": norm.kind, "tensors": list(norm.names), "eps": norm.eps} if norm else None,
+            "token_strings": head.token_source,
+        },
+        "domain": str(report.domain),
+        "summary": {"n_tokens": report.n_tokens, **report.counts, "failing": len(result.failing)},
+        "fail_on": sorted(result.fail_on),
+        "findings": [
+            {
+                "id": f.id,
+                "token": f.token,
+                "verdict": f.verdict,
+                "residual": _number(f.residual),
+                "bias_gap": _number(f.bias_gap),
+                "competitors": [{"id": c.id, "token": c.token, "weight": c.weight} for c in f.competitors],
+                "support": f.support,
+                "tied_with": f.tied_with,
+                "group_verdict": f.group_verdict,
+                "bounds": None if f.bounds is None else {"margin_lower": _number(f.bounds[0]),
+                                                         "margin_upper": _number(f.bounds[1])},
+                "allowed": f.allowed,
+            }
+            for f in result.findings
+        ],
+        "notes": head.notes,
+        "timing": {"load_s": round(result.load_seconds, 6),
+                   **{f"{name}_s": round(seconds, 6) for name, seconds in report.timings.items()}},
+    }
+    return json.dumps(document, indent=2, allow_nan=False) + "\n"

@@ -1,0 +1,137 @@
+"""The pre-release gate: turn a report into findings, apply an allow-list, decide the exit code."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from auditor.errors import InputError
+from auditor.head import Head
+from auditor.report import AuditReport
+
+FINDING_VERDICTS = ("unargmaxable", "tied", "inconclusive")
+DEFAULT_FAIL_ON = frozenset(FINDING_VERDICTS)
+EXIT_CLEAN, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
+_COMPETITORS = 5
+
+
+@dataclass(frozen=True)
+class Competitor:
+    id: int
+    token: str | None
+    weight: float
+
+
+@dataclass
+class Finding:
+    """A token whose verdict is not argmaxable, with what the reader needs to act on it."""
+
+    id: int
+    token: str | None
+    verdict: str
+    residual: float | None = None
+    bias_gap: float | None = None
+    competitors: list[Competitor] = field(default_factory=list)
+    support: int = 0  # how many rows the convex certificate uses
+    tied_with: list[int] | None = None
+    group_verdict: str | None = None
+    bounds: tuple[float, float] | None = None
+    allowed: bool = False
+
+
+@dataclass
+class AllowList:
+    """Token ids and exact token strings whose findings are expected.
+
+    One entry per line; ``#`` starts a comment. A line that is an integer is a
+    token id; anything else is a token string, taken literally after trimming
+    the line, or written as a JSON string ("123", " leading space") to say
+    exactly which string is meant.
+    """
+
+    ids: set[int] = field(default_factory=set)
+    strings: set[str] = field(default_factory=set)
+
+    @classmethod
+    def read(cls, path: Path) -> AllowList:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as error:
+            raise InputError(f"{path}: cannot read the allow-list ({error.strerror or error})") from None
+        allow = cls()
+        decoder = json.JSONDecoder()
+        for number, raw in enumerate(text.splitlines(), start=1):
+            line = raw.strip()
+            if line.startswith('"'):
+                try:
+                    string, end = decoder.raw_decode(line)
+                except ValueError:
+                    raise InputError(f"{path}:{number}: not a valid quoted token string: {line}") from None
+                rest = line[end:].strip()
+                if rest and not rest.startswith("#"):
+                    raise InputError(f"{path}:{number}: unexpected text after the quoted token string: {rest}")
+                allow.strings.add(string)
+                continue
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            if line.lstrip("-").isdigit():
+                allow.ids.add(int(line))
+            else:
+                allow.strings.add(line)
+        return allow
+
+    def allows(self, k: int, token: str | None) -> bool:
+        return k in self.ids or (token is not None and token in self.strings)
+
+
+@dataclass
+class GateResult:
+    head: Head
+    report: AuditReport
+    findings: list[Finding]
+    fail_on: frozenset[str]
+    load_seconds: float = 0.0
+
+    @property
+    def failing(self) -> list[Finding]:
+        return [f for f in self.findings if f.verdict in self.fail_on and not f.allowed]
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_FINDINGS if self.failing else EXIT_CLEAN
+
+
+def parse_fail_on(text: str) -> frozenset[str]:
+    """``"unargmaxable,tied"`` -> that set; ``"none"`` -> the empty set."""
+    names = {part.strip() for part in text.split(",") if part.strip()}
+    if names == {"none"}:
+        return frozenset()
+    unknown = names - set(FINDING_VERDICTS)
+    if unknown or not names:
+        raise InputError(f"--fail-on takes verdicts from {', '.join(FINDING_VERDICTS)} or 'none', got {text!r}")
+    return frozenset(names)
+
+
+def collect_findings(head: Head, report: AuditReport, allow: AllowList | None = None) -> list[Finding]:
+    findings = []
+    for verdict in FINDING_VERDICTS:
+        for k in report.ids(verdict):
+            token = report.tokens[k]
+            finding = Finding(id=k, token=head.token(k), verdict=verdict, residual=token.residual,
+                              bias_gap=token.bias_gap, tied_with=token.tied_with,
+                              group_verdict=token.group_verdict, bounds=token.bounds)
+            if token.convex_indices is not None:
+                finding.support = len(token.convex_indices)
+                finding.competitors = [Competitor(int(i), head.token(int(i)), float(w)) for i, w in
+                                       zip(token.convex_indices[:_COMPETITORS], token.convex_weights[:_COMPETITORS])]
+            finding.allowed = allow is not None and allow.allows(k, finding.token)
+            findings.append(finding)
+    findings.sort(key=lambda f: f.id)
+    return findings
+
+
+def run_gate(head: Head, report: AuditReport, fail_on=DEFAULT_FAIL_ON, allow: AllowList | None = None,
+             load_seconds: float = 0.0) -> GateResult:
+    return GateResult(head, report, collect_findings(head, report, allow), frozenset(fail_on), load_seconds)

@@ -1,0 +1,57 @@
+"""A vocabulary head as loaded from a checkpoint: the matrices and where each came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class FinalNorm:
+    """The normalisation applied to the hidden state right before the head.
+
+    ``kind`` is ``"layernorm"`` (z = g (x - mean x) / sqrt(var x + eps) + beta) or
+    ``"rmsnorm"`` (z = g x / sqrt(mean x^2 + eps)); ``weight`` is g, ``bias`` beta.
+    """
+
+    kind: str
+    weight: Any
+    bias: Any = None
+    eps: float = 1e-5
+    names: tuple[str, ...] = ()
+
+
+@dataclass
+class Head:
+    """What the auditor needs from a checkpoint, read without loading the rest of the model.
+
+    ``weight`` (n x d) and ``bias`` are numpy arrays or torch tensors exactly as
+    stored (dequantised for GGUF); ``tokens`` are the token strings by id where a
+    tokenizer was found (None beyond the tokenizer's size).
+    """
+
+    weight: Any
+    bias: Any = None
+    weight_name: str = "weight"
+    bias_name: str | None = None
+    tied: bool = False
+    final_norm: FinalNorm | None = None
+    tokens: list[str | None] | None = None
+    token_source: str | None = None
+    path: Path | None = None
+    source_format: str = "array"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(int(s) for s in self.weight.shape)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.weight.dtype).replace("torch.", "")
+
+    def token(self, k: int) -> str | None:
+        if self.tokens is None or k >= len(self.tokens):
+            return None
+        return self.tokens[k]

