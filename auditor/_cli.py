@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                "top prediction, and prove every verdict.")
     parser.add_argument("path", type=Path, help="a checkpoint file (.safetensors, .bin/.pt, .npy/.npz, .gguf) or a model folder")
     parser.add_argument("--weight", metavar="NAME", help="the head's weight tensor (default: detected)")
-    parser.add_argument("--bias", metavar="NAME", help="the head's bias tensor (default: detected)")
+    parser.add_argument("--bias", metavar="NAME", help="the head's bias tensor (default: detected; 'none' for no bias)")
     parser.add_argument("--domain", default="unbounded", help="unbounded (default), ball:R or box:R")
     parser.add_argument("--device", default="auto", help="auto (default: CUDA when available), cpu or cuda")
     parser.add_argument("--tokens", metavar="IDS", help="decide only these ids, e.g. 0-99,50256,128000- (the rest are undecided)")

@@ -259,3 +259,22 @@ def test_gguf_round_trip_quantised_and_not(tmp_path, qtype):
     assert got == set(expected.ids("unargmaxable")) and tied == set(expected.ids("tied"))
     assert {400, 401, 402} <= got | tied  # 4-bit rounding can make the planted rows identical
     assert {f["token"] for f in report["findings"] if f["id"] == 400} == {"tok400"}
+
+
+def test_sharded_torch_folder_and_explicit_names(tmp_path):
+    rows = np.vstack([np.eye(4), -np.eye(4), np.full((1, 4), 0.1)]).astype(np.float32)
+    torch.save({"model.embed_tokens.weight": torch.from_numpy(rows)}, tmp_path / "pytorch_model-00001-of-00002.bin")
+    torch.save({"lm_head.weight": torch.from_numpy(rows), "lm_head.bias": torch.zeros(9)},
+               tmp_path / "pytorch_model-00002-of-00002.bin")
+    index = {"weight_map": {"model.embed_tokens.weight": "pytorch_model-00001-of-00002.bin",
+                            "lm_head.weight": "pytorch_model-00002-of-00002.bin",
+                            "lm_head.bias": "pytorch_model-00002-of-00002.bin"}}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    done = audit_cli(tmp_path, "--format", "json", "--quiet")
+    report = json.loads(done.stdout)
+    assert report["head"]["weight"] == "lm_head.weight" and report["head"]["bias"] == "lm_head.bias"
+    assert findings(done) == {8: "unargmaxable"}
+    explicit = json.loads(audit_cli(tmp_path, "--weight", "model.embed_tokens.weight", "--format", "json").stdout)
+    assert explicit["head"]["weight"] == "model.embed_tokens.weight" and explicit["head"]["bias"] == "lm_head.bias"
+    unbiased = json.loads(audit_cli(tmp_path, "--bias", "none", "--format", "json").stdout)
+    assert unbiased["head"]["bias"] is None

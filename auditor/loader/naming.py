@@ -93,6 +93,8 @@ def _choose_bias(tensors: dict[str, TensorInfo], bias: str | None, rows: int, wh
             return info.shape[1]
         return None
 
+    if bias == "none":
+        return None
     if bias is not None:
         if bias not in tensors:
             raise InputError(f"{where}: no tensor named {bias!r} for the bias")
