@@ -101,10 +101,22 @@ def prepare_token_ids(tokens: Iterable[int] | None, n: int) -> np.ndarray:
     if tokens is None:
         return np.arange(n, dtype=np.int64)
     try:
-        ids = np.unique(np.asarray(list(tokens), dtype=np.int64))
+        raw = np.asarray(list(tokens))
     except (TypeError, ValueError):
         raise InputError("tokens must be an iterable of integer token ids") from None
+    if raw.size and (raw.dtype == bool or not np.issubdtype(raw.dtype, np.integer)):
+        raise InputError(f"tokens must be integer token ids, got values of type {raw.dtype}")
+    ids = np.unique(raw.astype(np.int64))
     if ids.size and (ids[0] < 0 or ids[-1] >= n):
         bad = ids[(ids < 0) | (ids >= n)][:5].tolist()
         raise InputError(f"token ids {bad} are outside the vocabulary 0..{n - 1}")
     return ids
+
+
+def check_options(residual_tol: float, frank_wolfe_iterations: int, lp_rounds: int) -> None:
+    """Refuse engine settings that would make verdicts meaningless or the run endless."""
+    if not (isinstance(residual_tol, (int, float)) and 0 < residual_tol <= 1e-6):
+        raise InputError(f"residual_tol must be in (0, 1e-6], got {residual_tol!r}")
+    for name, value in (("frank_wolfe_iterations", frank_wolfe_iterations), ("lp_rounds", lp_rounds)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1_000_000):
+            raise InputError(f"{name} must be a non-negative integer, got {value!r}")

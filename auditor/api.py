@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from auditor._input import prepare_inputs, prepare_token_ids, resolve_device
+from auditor._input import check_options, prepare_inputs, prepare_token_ids, resolve_device
 from auditor.domain import Domain, parse_domain
 from auditor.engine import EngineOptions, decide
 from auditor.report import AuditReport
@@ -41,6 +41,7 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     before deciding anything.
     """
     started = time.perf_counter()
+    check_options(residual_tol, frank_wolfe_iterations, lp_rounds)
     parsed_domain = parse_domain(domain)
     chosen = resolve_device(device)
     w64, b64, dtype = prepare_inputs(weight, bias, chosen)

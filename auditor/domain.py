@@ -90,9 +90,15 @@ class Box:
 Domain = Unbounded | Ball | Box
 
 
+# Radii far from 1 would push products of weights and hidden states into overflow or underflow.
+_SMALLEST_RADIUS, _LARGEST_RADIUS = 2.0**-400, 2.0**400
+
+
 def _check_radius(radius: float, kind: str) -> None:
-    if not (isinstance(radius, (int, float)) and math.isfinite(radius) and radius > 0):
+    if not (isinstance(radius, (int, float)) and not isinstance(radius, bool) and math.isfinite(radius) and radius > 0):
         raise InputError(f"a {kind} domain needs a finite positive radius, got {radius!r}")
+    if not _SMALLEST_RADIUS <= radius <= _LARGEST_RADIUS:
+        raise InputError(f"a {kind} domain's radius must lie between 1e-120 and 1e120, got {radius!r}")
 
 
 def parse_domain(spec: str | Domain) -> Domain:

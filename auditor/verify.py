@@ -1,16 +1,27 @@
 """Re-check a report's certificates from scratch, the way a third party would.
 
 Nothing here reuses the engine: plain float64 numpy on the caller's weights.
-A witness z of token k passes when, for every row i outside k's tie group,
-fl(l_k) - fl(l_i) exceeds the rounding bound gamma_{d+2} (||w_i|| ||z|| + |b_i|)
-summed for both logits, and z lies in the domain. Convex weights pass when
-they are non-negative, avoid k's group, sum to 1 and give a residual (or dual
-value) no larger than the one the report states, up to the rounding of this
-recomputation, and within the report's tolerance.
+
+- Every verdict must carry its certificate: a witness for argmaxable tokens,
+  convex weights for unargmaxable ones, the group's certificate for a tied
+  token whose group was decided.
+- A witness z of token k passes when, for every row i outside k's tie group,
+  fl(l_k) - fl(l_i) exceeds the rounding bound gamma_{d+2} (|w_i|.|z| + |b_i|)
+  of both logits, plus an underflow term, and z lies in the domain.
+- Convex weights pass when they are non-negative, avoid k's group, sum to 1,
+  and either (any domain) the residual ||w_k - sum alpha_i w_i|| is at most
+  residual_tol * max(||w_k||, sum alpha_i ||w_i||) with a bias gap
+  b_k - sum alpha_i b_i <= 0, or (bounded domain) the dual value
+  s_D(w_k - sum alpha_i w_i) + b_k - sum alpha_i b_i is <= 0. Each quantity is
+  recomputed with its rounding error added on the unfavourable side.
+
+The head is first rescaled by an exact power of two (logits scale with it, so
+every sign is unchanged) to keep norms and products away from overflow.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +30,7 @@ from auditor.domain import Ball, Box
 from auditor.report import AuditReport
 
 _U = 2.0**-53
+_ETA = 2.0**-1074
 
 
 def _gamma(n: int) -> float:
@@ -49,27 +61,38 @@ def _as_float64(array) -> np.ndarray:
     return array.astype(np.float64)
 
 
+def _power_of_two(W: np.ndarray, b: np.ndarray) -> float:
+    peak = max(float(np.abs(W).max(initial=0.0)), float(np.abs(b).max(initial=0.0)))
+    return 1.0 if peak == 0 else math.ldexp(1.0, -math.frexp(peak)[1])
+
+
 def verify(report: AuditReport, weight, bias=None, chunk: int = 512) -> Verification:
     """Check every certificate in ``report`` against ``weight`` and ``bias``; returns a Verification."""
     W = _as_float64(weight)
     b = _as_float64(bias) if bias is not None else np.zeros(W.shape[0])
+    scale = _power_of_two(W, b)
+    W, b = W * scale, b * scale  # exact: the largest entry lands in [0.5, 1), far from underflow for real heads
     n, d = W.shape
-    row_norm = np.linalg.norm(W, axis=1)
     result = Verification()
-    group = {}
-    for k in range(n):
-        token = report.tokens[k]
-        if token.tied_with:
-            group[k] = set(token.tied_with)
+    tokens = [report.tokens[k] for k in range(n)]
+    group = {t.id: set(t.tied_with) for t in tokens if t.tied_with}
 
-    with_witness = [k for k in range(n) if report.tokens[k].witness is not None]
+    for token in tokens:  # every decided verdict must carry the certificate it claims
+        claim = token.group_verdict if token.verdict == "tied" else token.verdict
+        missing = ((claim == "argmaxable" and token.witness is None)
+                   or (claim == "unargmaxable" and token.convex_indices is None))
+        if missing:
+            result.checked += 1
+            result.failed.append(token.id)
+
+    with_witness = [t.id for t in tokens if t.witness is not None]
+    abs_W = np.abs(W)
     for start in range(0, len(with_witness), chunk):
         ks = np.array(with_witness[start:start + chunk])
-        Z = np.stack([report.tokens[int(k)].witness for k in ks])
+        Z = np.stack([tokens[int(k)].witness for k in ks])
         rows = np.arange(len(ks))
         logits = Z @ W.T + b[None, :]
-        z_norm = np.linalg.norm(Z, axis=1)
-        bound = _gamma(d + 2) * (z_norm[:, None] * row_norm[None, :] * (1 + _gamma(d)) + np.abs(b)[None, :])
+        bound = _gamma(d + 2) * (np.abs(Z) @ abs_W.T + np.abs(b)[None, :]) * (1 + _gamma(d + 2)) + 4 * (d + 4) * _ETA
         diff = logits[rows, ks][:, None] - logits
         tolerance = bound[rows, ks][:, None] + bound + _U * np.abs(diff)
         wins = diff > tolerance
@@ -82,45 +105,54 @@ def verify(report: AuditReport, weight, bias=None, chunk: int = 512) -> Verifica
             if not (_inside(report.domain, Z[j]) and wins[j].all()):
                 result.failed.append(k)
 
-    for k in range(n):
-        token = report.tokens[k]
+    tol = report.tolerances["residual_tol"]
+    typical = report.tolerances["typical_row_norm"] * scale
+    for token in tokens:
         if token.convex_indices is None:
             continue
         result.checked += 1
-        if not _convex_ok(report, W, b, k, token, group.get(k, set())):
-            result.failed.append(k)
-    result.failed.sort()
+        if not _convex_ok(report.domain, W, b, token, group.get(token.id, set()), tol, typical):
+            result.failed.append(token.id)
+    result.failed = sorted(set(result.failed))
     return result
 
 
 def _inside(domain, z: np.ndarray) -> bool:
     if isinstance(domain, Ball):
-        return float(np.linalg.norm(z)) <= domain.radius
+        peak = float(np.abs(z).max(initial=0.0))
+        return peak == 0 or peak * float(np.linalg.norm(z / peak)) <= domain.radius
     if isinstance(domain, Box):
         return bool(np.all(np.abs(z) <= domain.radius))
     return True
 
 
-def _convex_ok(report: AuditReport, W, b, k, token, group: set) -> bool:
+def _convex_ok(domain, W, b, token, group: set, tol: float, typical: float) -> bool:
+    k = token.id
     idx = np.asarray(token.convex_indices, dtype=np.int64)
     alpha = np.asarray(token.convex_weights, dtype=np.float64)
     if idx.size == 0 or np.any(alpha < 0) or k in idx or group.intersection(idx.tolist()):
         return False
-    if abs(alpha.sum() - 1.0) > 1e-9:
+    if abs(alpha.sum() - 1.0) > 1e-12:
         return False
-    alpha = alpha / alpha.sum()
-    offset = W[k] - alpha @ W[idx]
-    gap = b[k] - alpha @ b[idx]
-    slack = 4 * _gamma(idx.size + d_plus(W)) * (alpha @ np.linalg.norm(W[idx], axis=1) + np.linalg.norm(W[k]))
-    domain = report.domain
+    d = W.shape[1]
+    s = idx.size
+    rows = W[idx]
+    offset = W[k] - alpha @ rows
+    norms = np.linalg.norm(rows, axis=1)
+    r_k = float(np.linalg.norm(W[k]))
+    involved = float(alpha @ norms)
+    # rounding of the combination and of alpha's sum, added on the unfavourable side
+    slack = 2 * _gamma(s + 2) * involved + (abs(alpha.sum() - 1.0) + _gamma(s)) * r_k + 4 * (d + 4) * _ETA
+    residual = float(np.linalg.norm(offset)) * (1 + _gamma(d + 1)) + slack
+    gap = 0.0
+    if np.any(b):
+        gap = (float(b[k] - alpha @ b[idx]) + 2 * _gamma(s + 2) * float(alpha @ np.abs(b[idx]))
+               + (abs(alpha.sum() - 1.0) + _gamma(s)) * abs(float(b[k])) + 4 * _ETA)
+    hull = residual <= tol * max(r_k, typical) and gap <= 0
     if not domain.bounded:
-        residual = np.linalg.norm(offset)
-        tol = report.tolerances["weight_tolerance"]
-        return residual <= token.residual + slack and token.residual <= tol and gap <= token.bias_gap + slack
-    value = domain.support(offset) + gap
-    reach = domain.radius * (np.sqrt(W.shape[1]) if isinstance(domain, Box) else 1.0)
-    return value <= token.residual + reach * slack + slack
-
-
-def d_plus(W) -> int:
-    return W.shape[1] + 2
+        return hull
+    if isinstance(domain, Ball):
+        support = domain.radius * residual
+    else:
+        support = domain.radius * (float(np.abs(offset).sum()) * (1 + _gamma(d)) + math.sqrt(d) * slack)
+    return hull or support + gap <= 0

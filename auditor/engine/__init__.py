@@ -13,6 +13,7 @@ float64, so no stage can turn a guess into a verdict.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from auditor.domain import Domain
+from auditor.errors import InputError
 from auditor.engine.certify import check_convex, check_witnesses
 from auditor.engine.frank_wolfe import frank_wolfe
 from auditor.engine.head import EngineHead, build_engine_head
@@ -67,11 +69,40 @@ def _bar(total: int, desc: str, enabled: bool):
                 leave=False, unit="tok", dynamic_ncols=True)
 
 
+def _power_of_two_scale(weight: torch.Tensor, bias: torch.Tensor | None):
+    """Rescale a head whose entries are far from 1 by an exact power of two.
+
+    Logits scale by the same factor, so verdicts and witnesses do not change;
+    it keeps norms, products and the rounding bounds away from overflow and
+    underflow. Returns (weight, bias, factor); factor 1 leaves the tensors alone.
+    """
+    peak = float(weight.abs().max())
+    if bias is not None:
+        peak = max(peak, float(bias.abs().max()))
+    if peak == 0.0:
+        return weight, bias, 1.0
+    exponent = math.frexp(peak)[1]
+    if -100 <= exponent <= 100:
+        return weight, bias, 1.0
+    half = -exponent // 2  # two steps: 2**1074 itself is not a float64
+    factor = math.ldexp(1.0, half) * math.ldexp(1.0, -exponent - half)
+
+    def rescale(t):
+        scaled = t * math.ldexp(1.0, half) * math.ldexp(1.0, -exponent - half)
+        if not torch.equal(scaled * math.ldexp(1.0, -half) * math.ldexp(1.0, exponent + half), t):
+            raise InputError("the head spans more orders of magnitude than float64 can hold exactly "
+                             f"(largest entry {peak:.3g}); rescale it")
+        return scaled
+
+    return rescale(weight), (rescale(bias) if bias is not None else None), factor
+
+
 def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, domain: Domain,
            options: EngineOptions, progress: bool) -> Decisions:
     n = weight.shape[0]
     timings: dict[str, float] = {}
     clock = time.perf_counter()
+    weight, bias, factor = _power_of_two_scale(weight, bias)
     representative = duplicate_groups(weight, bias)
     head = build_engine_head(weight, bias, representative, domain, options.residual_tol)
     timings["ties"] = time.perf_counter() - clock
@@ -80,8 +111,8 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
         verdict=np.zeros(n, dtype=np.int8), margin=np.full(n, np.nan), runner_up=np.full(n, -1, dtype=np.int64),
         stage=np.zeros(n, dtype=np.int8), witness_shift=np.zeros(n), witness_scale=np.full(n, np.nan),
         representative=representative, centre=head.centre.cpu().numpy(),
-        tolerances={"residual_tol": options.residual_tol, "weight_tolerance": head.weight_tolerance(),
-                    "bias_tolerance": head.bias_tolerance(), "logit_error_factor": head.error_factor},
+        tolerances={"residual_tol": options.residual_tol, "typical_row_norm": head.typical_row_norm / factor,
+                    "logit_error_factor": head.error_factor},
     )
     todo = np.unique(representative[ids])
 
@@ -134,13 +165,38 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
                 _set_convex(out, k, result.indices, result.weights, result.residual, result.bias_gap, "lp")
             else:
                 out.verdict[k] = INCONCLUSIVE
-                out.bounds[k] = (max(result.margin, lower.get(k, -np.inf)), min(result.residual, upper.get(k, np.inf)))
+                out.bounds[k] = (max(result.margin, lower.get(k, -np.inf)),
+                                 min(result.residual, upper.get(k, np.inf)) if _upper_bounds_margin(head) else np.inf)
             bar.update(1)
     timings["lp"] = time.perf_counter() - clock
 
+    _unscale(out, factor)
     _spread_to_groups(out, ids)
     out.timings = timings
     return out
+
+
+def _upper_bounds_margin(head: EngineHead) -> bool:
+    """Whether a convex certificate's residual is an upper bound on the margin.
+
+    It is the dual value in a bounded domain and, without a bias, the distance
+    to the hull (the unit-ball margin); with a bias in the unbounded domain the
+    margin has no finite upper bound to quote.
+    """
+    return head.domain.bounded or head.bias is None
+
+
+def _unscale(out: Decisions, factor: float) -> None:
+    """Report margins, residuals and the centre in the units of the head as given."""
+    if factor == 1.0:
+        return
+    out.margin /= factor
+    out.witness_scale *= factor  # the formula witness s (w_k - t c) refers to the rows as given
+    out.centre = out.centre / factor
+    for k, (indices, weights, residual, gap) in out.convex.items():
+        out.convex[k] = (indices, weights, residual / factor, gap / factor)
+    for k, (lower, upper) in out.bounds.items():
+        out.bounds[k] = (lower / factor, upper / factor)
 
 
 def _set_witness(out: Decisions, k: int, witness: np.ndarray, margin: float, runner_up: int, stage: str) -> None:
@@ -153,6 +209,8 @@ def _set_witness(out: Decisions, k: int, witness: np.ndarray, margin: float, run
 
 def _set_convex(out: Decisions, k: int, indices, weights, residual: float, gap: float, stage: str) -> None:
     out.verdict[k] = UNARGMAXABLE
+    weights = np.asarray(weights, dtype=np.float64)
+    weights = weights / weights.sum()  # the check was about alpha / sum(alpha); report exactly that
     order = np.argsort(-weights, kind="stable")  # largest weights first: the main competitors
     out.convex[k] = (np.asarray(indices)[order], np.asarray(weights)[order], float(residual), float(gap))
     out.stage[k] = STAGES.index(stage)
@@ -175,7 +233,8 @@ def _settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outco
         k = int(ids[j])
         if out.verdict[k] != UNDECIDED:
             continue
-        lower[k] = outcome.margin
+        if not head.domain.bounded:
+            lower[k] = outcome.margin  # a unit-ball margin, the quoted unit of an unbounded head
         if outcome.support.size:
             indices, weights, check = polish(head, k, outcome.support, outcome.support_weights)
             upper[k] = check.residual

@@ -80,7 +80,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
     x = W[k_all] - W[start_t]
     running = torch.ones(len(ids), dtype=torch.bool, device=device)
     best_margin = torch.full((len(ids),), -torch.inf, dtype=torch.float64, device=device)
-    tiny = head.weight_tolerance()
+    tiny = head.exit_tolerance()
     metric = head.precision
 
     for _ in range(iterations):
@@ -96,7 +96,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
         # Every iterate is a candidate witness: z = M x wins if its own score beats every rival.
         norm_z = torch.linalg.vector_norm(zs, dim=1)
         margin = own - fw_score
-        tolerance = head.error_factor * (head.row_norm[k] + head.max_row_norm) * norm_z
+        tolerance = head.error_factor * (head.row_norm[k] + head.max_row_norm) * norm_z + head.underflow_floor
         certified = proves_positive(margin, tolerance)
         unit_margin = torch.where(norm_z > 0, margin / norm_z, torch.full_like(margin, -torch.inf))
         best_margin[live] = torch.maximum(best_margin[live], unit_margin)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from auditor.domain import Domain
-from auditor.engine.rounding import logit_error_factor
+from auditor.engine.rounding import logit_error_factor, underflow_floor
 
 
 @dataclass
@@ -27,6 +27,7 @@ class EngineHead:
     row_mask: torch.Tensor | None  # n, 0 or -inf; None when there are no duplicates
     row_norm: torch.Tensor  # n, ||w_i||
     max_row_norm: float  # over competitors
+    typical_row_norm: float  # 10th percentile of the non-zero competitor row norms: a scale no outlier can inflate
     max_abs_bias: float  # over competitors, 0 without bias
     centre: torch.Tensor  # d, mean of the competitor rows
     centre_logits: torch.Tensor  # n, w_i . centre
@@ -50,16 +51,25 @@ class EngineHead:
         return logit_error_factor(self.d)
 
     @property
+    def underflow_floor(self) -> float:
+        return underflow_floor(self.d)
+
+    @property
     def n_competitors(self) -> int:
         return int(self.competitor.sum())
 
-    def weight_tolerance(self) -> float:
-        """Largest residual ||sum_i alpha_i w_i - w_k|| a convex certificate may rest on."""
-        return self.residual_tol * max(self.max_row_norm, np.finfo(np.float64).tiny)
+    def residual_tolerance(self, k: int) -> float:
+        """Largest residual ||sum_i alpha_i w_i - w_k|| a certificate for token k may rest on.
 
-    def bias_tolerance(self) -> float:
-        """Largest bias gap b_k - sum_i alpha_i b_i a convex certificate may rest on."""
-        return self.residual_tol * max(self.max_abs_bias, self.max_row_norm, np.finfo(np.float64).tiny)
+        residual_tol times the larger of ||w_k|| and a typical row norm: the
+        token can then lead by at most that fraction of a typical logit scale.
+        A few huge rows cannot loosen it, and cancelling huge rows cannot pass.
+        """
+        return self.residual_tol * max(float(self.row_norm[k]), self.typical_row_norm)
+
+    def exit_tolerance(self) -> float:
+        """Residual below which Frank-Wolfe stops and hands its weights to the certificate check."""
+        return self.residual_tol * max(self.max_row_norm, np.finfo(np.float64).tiny)
 
     _precision: torch.Tensor | None = None
 
@@ -91,6 +101,25 @@ class EngineHead:
         return self.bias.index_select(0, index).cpu().numpy()
 
 
+def robust_row_norms(weight: torch.Tensor) -> torch.Tensor:
+    """Euclidean row norms that do not underflow: rows of tiny entries are rescaled by their peak first."""
+    norms = torch.linalg.vector_norm(weight, dim=1)
+    tiny = torch.nonzero(norms < 1e-150).flatten()
+    if tiny.numel():
+        rows = weight.index_select(0, tiny)
+        peak = rows.abs().amax(dim=1)
+        safe = torch.where(peak > 0, peak, torch.ones_like(peak))
+        norms[tiny] = peak * torch.linalg.vector_norm(rows / safe[:, None], dim=1)
+    return norms
+
+
+def _low_quantile(norms: torch.Tensor) -> float:
+    positive = norms[norms > 0]
+    if positive.numel() == 0:
+        return 0.0
+    return float(torch.kthvalue(positive.cpu(), max(1, int(0.1 * positive.numel()))).values)
+
+
 def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, representative: np.ndarray,
                       domain: Domain, residual_tol: float) -> EngineHead:
     device = weight.device
@@ -100,7 +129,7 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
     if not competitor_np.all():
         row_mask = torch.zeros(weight.shape[0], dtype=torch.float64, device=device)
         row_mask[~competitor] = -torch.inf
-    row_norm = torch.linalg.vector_norm(weight, dim=1)
+    row_norm = robust_row_norms(weight)
     centre = weight[competitor].mean(dim=0)
     return EngineHead(
         weight=weight,
@@ -110,6 +139,7 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
         row_mask=row_mask,
         row_norm=row_norm,
         max_row_norm=float(row_norm[competitor].max()),
+        typical_row_norm=_low_quantile(row_norm[competitor]),
         max_abs_bias=0.0 if bias is None else float(bias[competitor].abs().max()),
         centre=centre,
         centre_logits=weight @ centre,

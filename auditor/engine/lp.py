@@ -21,6 +21,7 @@ rows it loses to join A and the program is solved again (the spec measured
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,10 +71,16 @@ def _solve(head: EngineHead, k: int, rivals: np.ndarray):
         else:
             constraints = [z <= domain.radius, z >= -domain.radius]
     problem = cp.Problem(cp.Maximize(t), [rival] + constraints)
-    solver = cp.CLARABEL if isinstance(domain, Ball) else cp.HIGHS
+    # Tight tolerances: near-boundary tokens have margins far below the solvers' defaults.
+    if isinstance(domain, Ball):
+        options = {"solver": cp.CLARABEL, "tol_feas": 1e-11, "tol_gap_abs": 1e-11, "tol_gap_rel": 1e-11}
+    else:
+        options = {"solver": cp.HIGHS, "primal_feasibility_tolerance": 1e-10, "dual_feasibility_tolerance": 1e-10}
     try:
-        problem.solve(solver=solver)
-    except cp.error.SolverError:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "may be inaccurate": every answer is checked in float64 anyway
+            problem.solve(**options)
+    except (cp.error.SolverError, ValueError, ArithmeticError):
         return None
     if problem.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE) or z.value is None or rival.dual_value is None:
         return None
@@ -98,7 +105,7 @@ def best_scale(slopes: np.ndarray, intercepts: np.ndarray, largest: float) -> fl
     return float(found.x)
 
 
-def _witness_from(head: EngineHead, k: int, z: np.ndarray, s: float) -> np.ndarray:
+def _witness_from(head: EngineHead, k: int, z: np.ndarray) -> np.ndarray:
     """Turn the program's (z, s) into a point of the domain with the best scale along z."""
     if head.bias is None:
         if head.domain.bounded:
@@ -141,6 +148,14 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
     beta = scipy.optimize.nnls(system, target, maxiter=50 * max(support.size, 10))[0]
     if beta.sum() > 0:
         candidates.append((support, beta / beta.sum()))
+    # A vertex of {alpha >= 0 : sum alpha_i w_i = w_k, sum alpha = 1} with the largest sum alpha_i b_i,
+    # re-solved exactly on its (at most d + 1 rows) basis: sparse, and it keeps the bias gap negative.
+    vertex = scipy.optimize.linprog(-head.biases(support), A_eq=system, b_eq=target, bounds=(0, None), method="highs")
+    if vertex.status == 0:
+        basis = vertex.x > vertex.x.max() * 1e-12
+        exact = np.linalg.lstsq(system[:, basis], target, rcond=None)[0]
+        if np.all(exact >= 0) and exact.sum() > 0:
+            candidates.append((support[basis], exact / exact.sum()))
     best = None
     for idx, w in candidates:
         nz = w > 0
@@ -151,45 +166,58 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
     return best[1], best[2], best[3]
 
 
+def _try_witness(head: EngineHead, k: int, z: np.ndarray, outcome: LpOutcome) -> bool:
+    """Check z (scaled along itself to its best point in the domain) as a witness; keep the best margin."""
+    if not np.all(np.isfinite(z)) or (not np.any(z) and head.bias is None):
+        return False
+    if np.any(z):
+        z = z / np.abs(z).max()  # a direction of unit peak: tiny directions would underflow in the products
+    witness = _witness_from(head, k, z)
+    check = check_witnesses(head, np.array([k]), torch.as_tensor(witness[None, :], device=head.device), exact_bound=True)
+    margin = float(check.margin[0])
+    if head.bias is None and not head.domain.bounded:
+        norm = float(np.linalg.norm(witness))
+        margin = margin / norm if norm > 0 else -math.inf
+    if margin > outcome.margin or check.certified[0]:
+        outcome.margin, outcome.runner_up, outcome.witness = margin, int(check.runner_up[0]), witness
+    if check.certified[0]:
+        outcome.verdict = "argmaxable"
+    return bool(check.certified[0])
+
+
 def lp_decide(head: EngineHead, k: int, seed_rivals: np.ndarray, max_rounds: int = 30,
               add_per_round: int | None = None) -> LpOutcome:
     """Decide token k by constraint generation, starting from ``seed_rivals``."""
     add = add_per_round or max(32, head.d // 2)
     outcome = LpOutcome()
-    rivals = np.unique(seed_rivals[(seed_rivals != k)])
+    rivals = np.unique(seed_rivals[(seed_rivals != k) & (seed_rivals >= 0)])
     rivals = rivals[head.representative[rivals] == rivals]
     if rivals.size == 0:
         rivals = _top_rivals(head, k, head.rows([k])[0] - head.centre.cpu().numpy(), set(), add)
+    w_k = head.rows([k])[0]
     for round_ in range(1, max_rounds + 1):
         outcome.rounds = round_
         solved = _solve(head, k, rivals)
         if solved is None:
             break
         t, z, s, alpha = solved
+        if head.bias is not None and not head.domain.bounded and s > 0:
+            z = z / s
+        if _try_witness(head, k, z, outcome):
+            return outcome
         if alpha.sum() > 0:
             indices, weights, convex = polish(head, k, rivals, alpha)
-            if convex.residual < outcome.residual:
+            if convex.accepted or convex.residual < outcome.residual:
                 outcome.indices, outcome.weights = indices, weights
                 outcome.residual, outcome.bias_gap = convex.residual, convex.bias_gap
             if convex.accepted:
                 outcome.verdict = "unargmaxable"
                 return outcome
-        if head.bias is not None and not head.domain.bounded and s > 0:
-            z = z / s
-        witness = _witness_from(head, k, z, s) if np.any(z) or head.bias is not None else z
-        check = check_witnesses(head, np.array([k]), torch.as_tensor(witness[None, :], device=head.device))
-        margin = float(check.margin[0])
-        if head.bias is None and not head.domain.bounded:
-            norm = float(np.linalg.norm(witness))
-            margin = margin / norm if norm > 0 else -math.inf
-        if margin > outcome.margin:
-            outcome.margin, outcome.runner_up = margin, int(check.runner_up[0])
-            outcome.witness = witness
-        if check.certified[0]:
-            outcome.verdict = "argmaxable"
-            outcome.witness, outcome.margin, outcome.runner_up = witness, margin, int(check.runner_up[0])
-            return outcome
-        new = _top_rivals(head, k, witness, set(rivals.tolist()), add)
+            # The polished weights' residual w_k - sum alpha_i w_i is the normal of the nearest
+            # face found so far: an exact direction where the solver's z is only accurate to its tolerance.
+            if _try_witness(head, k, w_k - weights @ head.rows(indices), outcome):
+                return outcome
+        new = _top_rivals(head, k, z, set(rivals.tolist()), add)
         if new.size == 0:
             break
         rivals = np.union1d(rivals, new)

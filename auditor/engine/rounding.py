@@ -12,6 +12,7 @@ to cover the rounding of the bound's own arithmetic and of storing the witness.
 from __future__ import annotations
 
 UNIT_ROUNDOFF = 2.0**-53
+SMALLEST_SUBNORMAL = 2.0**-1074
 
 
 def gamma(n: int) -> float:
@@ -21,6 +22,11 @@ def gamma(n: int) -> float:
 def logit_error_factor(d: int) -> float:
     """f such that a computed logit w.z + b is within f (||w|| ||z|| + |b|) of the exact one."""
     return 2.0 * gamma(d + 4)
+
+
+def underflow_floor(d: int) -> float:
+    """Absolute error a length-d dot product can add through gradual underflow (d + 4 products and sums, doubled)."""
+    return 2.0 * (d + 4) * SMALLEST_SUBNORMAL
 
 
 def proves_positive(margin, tolerance):

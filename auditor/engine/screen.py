@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from auditor.domain import Ball, Box
+from auditor.engine.certify import inside_domain
 from auditor.engine.head import EngineHead
 from auditor.engine.rounding import proves_positive
 
@@ -109,7 +110,7 @@ def _screen_chunk(head: EngineHead, ids: np.ndarray, result: ScreenResult, part:
         directions = rows_k - t * head.centre if t else rows_k
         own_base = own_gram - t * head.centre_logits[k]
         norm_z = torch.linalg.vector_norm(directions, dim=1)
-        for scale in _candidate_scales(head, directions):
+        for rung, scale in enumerate(_candidate_scales(head, directions)):
             if head.bias is None:
                 rival, runner_up = gram.max(dim=1)
                 own = own_base
@@ -121,10 +122,10 @@ def _screen_chunk(head: EngineHead, ids: np.ndarray, result: ScreenResult, part:
             margin = own - rival
             # ||z|| <= s (||w_k|| + t ||c||): the size the rounding bound needs.
             size = (scale if head.bias is not None else 1.0) * (norm_k + t * centre_norm)
-            tolerance = head.error_factor * ((norm_k + head.max_row_norm) * size + head.max_abs_bias)
+            tolerance = head.error_factor * ((norm_k + head.max_row_norm) * size + head.max_abs_bias) + head.underflow_floor
             if own_bias is not None:
                 tolerance = tolerance + head.error_factor * own_bias.abs()
-            certified = proves_positive(margin, tolerance)
+            certified = proves_positive(margin, tolerance) & inside_domain(head.domain, directions * scale[:, None])
             if head.bias is None:
                 reported = margin * scale if head.domain.bounded else margin / norm_z
             else:
@@ -137,7 +138,7 @@ def _screen_chunk(head: EngineHead, ids: np.ndarray, result: ScreenResult, part:
             chosen["shift"] = torch.where(better, torch.full_like(reported, t), chosen["shift"])
             chosen["scale"] = torch.where(better, scale * torch.ones_like(reported), chosen["scale"])
             chosen["runner_up"] = torch.where(better, runner_up, chosen["runner_up"])
-            if t == 0:
+            if t == 0 and rung == 0:  # the strongest rival at z = w_k itself
                 result.threat[part] = runner_up.cpu().numpy()
     for name, values in chosen.items():
         getattr(result, name)[part] = values.cpu().numpy()
