@@ -6,7 +6,8 @@
 """
 
 from auditor.api import audit
-from auditor.domain import Ball, Box, Unbounded, parse_domain
+from auditor.domain import Ball, Box, Norm, Unbounded, parse_domain
+from auditor.norm import FinalNorm
 from auditor.errors import AuditorError, InputError
 from auditor.report import AuditReport, TokenVerdict
 from auditor.verify import Verification, verify
@@ -15,5 +16,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "audit", "verify", "AuditReport", "TokenVerdict", "Verification",
-    "Ball", "Box", "Unbounded", "parse_domain", "AuditorError", "InputError", "__version__",
+    "Ball", "Box", "Norm", "Unbounded", "FinalNorm", "parse_domain", "AuditorError", "InputError", "__version__",
 ]

@@ -31,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("path", type=Path, help="a checkpoint file (.safetensors, .bin/.pt, .npy/.npz, .gguf) or a model folder")
     parser.add_argument("--weight", metavar="NAME", help="the head's weight tensor (default: detected)")
     parser.add_argument("--bias", metavar="NAME", help="the head's bias tensor (default: detected; 'none' for no bias)")
-    parser.add_argument("--domain", default="unbounded", help="unbounded (default), ball:R or box:R")
+    parser.add_argument("--domain", default="unbounded",
+                        help="unbounded (default), ball:R, box:R, or norm (the outputs of the checkpoint's final norm)")
+    parser.add_argument("--norm-unit-offset", action="store_true",
+                        help="the final norm multiplies by 1 + weight (Gemma's convention; detected from config.json)")
     parser.add_argument("--device", default="auto", help="auto (default: CUDA when available), cpu or cuda")
     parser.add_argument("--tokens", metavar="IDS", help="decide only these ids, e.g. 0-99,50256,128000- (the rest are undecided)")
     parser.add_argument("--format", choices=sorted(FORMATS), default="text", help="report format (default: text)")
@@ -106,8 +109,16 @@ def run(args: argparse.Namespace) -> int:
     head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress)
     load_seconds = time.perf_counter() - started
     tokens = parse_token_ids(args.tokens, head.shape[0]) if args.tokens else None
+    final_norm = None
+    if auditor.parse_domain(args.domain) == auditor.Norm():
+        if head.final_norm is None:
+            raise InputError(f"{args.path}: --domain norm needs the final norm, but no known final-norm tensor "
+                             "was found (model.norm.weight, transformer.ln_f.weight, output_norm.weight, ...)")
+        final_norm = head.final_norm
+        if args.norm_unit_offset:
+            final_norm.unit_offset = True
     report = auditor.audit(head.weight, head.bias, domain=args.domain, device=args.device, tokens=tokens,
-                           progress=progress)
+                           progress=progress, final_norm=final_norm)
     result = run_gate(head, report, fail_on, allow, load_seconds)
     rendered = FORMATS[args.format](result)
     if args.certificates:

@@ -96,6 +96,17 @@ def prepare_inputs(weight, bias, device: torch.device) -> tuple[torch.Tensor, to
     return w64, b64, source_dtype
 
 
+def prepare_vector(vector, length: int, what: str, device: torch.device) -> torch.Tensor:
+    """A float vector of the given length as float64 on ``device``; raises InputError otherwise."""
+    v = _as_tensor(vector, what)
+    if v.ndim != 1 or v.shape[0] != length:
+        raise InputError(f"{what} must be a vector of length {length}, got shape {tuple(v.shape)}")
+    v64 = v.to(device=device, dtype=torch.float64)
+    if not bool(torch.isfinite(v64).all()):
+        raise InputError(f"{what} has NaN or Inf entries")
+    return v64
+
+
 def prepare_token_ids(tokens: Iterable[int] | None, n: int) -> np.ndarray:
     """The sorted unique token ids to decide; all of them when ``tokens`` is None."""
     if tokens is None:

@@ -9,8 +9,12 @@ import numpy as np
 import torch
 
 from auditor._input import check_options, prepare_inputs, prepare_token_ids, resolve_device
-from auditor.domain import Domain, parse_domain
-from auditor.engine import EngineOptions, decide
+from auditor.domain import Ball, Domain, Norm, parse_domain
+from auditor.engine import INCONCLUSIVE, STAGES, TIED, UNARGMAXABLE, EngineOptions, decide
+from auditor.engine.certify import check_witnesses
+from auditor.engine.head import build_engine_head
+from auditor.errors import InputError
+from auditor.norm import FinalNorm, NormMap, reduce_head
 from auditor.report import AuditReport
 
 
@@ -25,16 +29,18 @@ def _row_reader(weight):
 
 
 def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str = "auto",
-          tokens: Iterable[int] | None = None, progress: bool = True,
+          tokens: Iterable[int] | None = None, progress: bool = True, final_norm: FinalNorm | None = None,
           residual_tol: float = 1e-10, frank_wolfe_iterations: int = 100, lp_rounds: int = 30) -> AuditReport:
     """Decide which tokens of a head can be the strict argmax of its logits ``W z + b``.
 
     ``weight`` is an n x d numpy array or torch tensor (float16, bfloat16, float32
     or float64) and ``bias`` a length-n vector or None. ``domain`` is
-    ``"unbounded"``, ``"ball:R"``, ``"box:R"`` or a domain object. ``tokens``
-    restricts the audit to some ids; the others are reported ``undecided``.
-    ``residual_tol`` is the relative residual an unargmaxable certificate may
-    rest on (times the largest row norm).
+    ``"unbounded"``, ``"ball:R"``, ``"box:R"``, ``"norm"`` or a domain object;
+    ``"norm"`` decides over the outputs of the final normalisation given as
+    ``final_norm=auditor.FinalNorm(kind, weight=g, bias=beta, eps=eps)``.
+    ``tokens`` restricts the audit to some ids; the others are reported
+    ``undecided``. ``residual_tol`` is the relative residual an unargmaxable
+    certificate may rest on (see docs/method.md).
 
     Returns an AuditReport. Raises auditor.InputError for bad input (NaN or Inf
     weights, wrong shapes or dtypes, an empty head, an unknown domain or device)
@@ -48,9 +54,94 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     ids = prepare_token_ids(tokens, w64.shape[0])
     options = EngineOptions(frank_wolfe_iterations=frank_wolfe_iterations, lp_rounds=lp_rounds,
                             residual_tol=residual_tol)
-    decisions = decide(w64, b64, ids, parsed_domain, options, progress)
+    norm_map = None
+    if isinstance(parsed_domain, Norm):
+        if final_norm is None:
+            raise InputError("domain 'norm' needs final_norm=auditor.FinalNorm(kind, weight=..., bias=..., eps=...)")
+        reduced = reduce_head(w64, b64, final_norm)
+        norm_map = NormMap(final_norm, reduced)
+        decisions = decide(reduced.weight, reduced.bias, ids, Ball(reduced.radius), options, progress,
+                           reduced.row_error, reduced.bias_error)
+        del reduced
+    else:
+        decisions = decide(w64, b64, ids, parsed_domain, options, progress)
     timings = dict(decisions.timings)
+    report = AuditReport(decisions, _row_reader(weight), n_tokens=w64.shape[0], hidden_size=w64.shape[1],
+                         dtype=dtype, has_bias=b64 is not None, domain=parsed_domain, device=str(chosen),
+                         timings=timings, norm_map=norm_map)
+    if norm_map is not None:
+        clock = time.perf_counter()
+        _confirm_norm_witnesses(report, w64, b64)
+        _hull_fallback(report, w64, b64, options)
+        timings["norm_check"] = time.perf_counter() - clock
     timings["total"] = time.perf_counter() - started
-    return AuditReport(decisions, _row_reader(weight), n_tokens=w64.shape[0], hidden_size=w64.shape[1],
-                       dtype=dtype, has_bias=b64 is not None, domain=parsed_domain, device=str(chosen),
-                       timings=timings)
+    return report
+
+
+def _hull_fallback(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor | None,
+                   options: EngineOptions) -> None:
+    """Norm domain: settle what is left with the unbounded question on the head as given.
+
+    A token that cannot win anywhere in R^d cannot win on the norm's outputs
+    either. This catches rows inside the hull whose reduced-space certificate
+    could not show a non-positive bias gap: the norm's shift beta turns every
+    row's w_i . beta into a bias, and a residual along the all-ones direction
+    (invisible to LayerNorm) gives that bias gap an arbitrary sign.
+    """
+    d = report._d
+    left = np.nonzero((d.verdict == INCONCLUSIVE) | np.array(
+        [d.verdict[k] == TIED and d.group_verdict.get(k) == INCONCLUSIVE for k in range(report.n_tokens)]))[0]
+    if left.size == 0:
+        return
+    from auditor.domain import Unbounded
+
+    plain = decide(weight, bias, left, Unbounded(), options, progress=False)
+    for k in left.tolist():
+        if k in plain.convex and (plain.verdict[k] == UNARGMAXABLE or plain.group_verdict.get(k) == UNARGMAXABLE):
+            d.convex[k] = plain.convex[k]
+            d.bounds.pop(k, None)
+            d.stage[k] = STAGES.index("unbounded hull")
+            if d.verdict[k] == TIED:
+                d.group_verdict[k] = UNARGMAXABLE
+            else:
+                d.verdict[k] = UNARGMAXABLE
+
+
+def _confirm_norm_witnesses(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Push every witness through the norm in float64 and check it against the head as given.
+
+    The engine proved the reduced head's witness; this proves what the model would
+    do with the pre-norm vector. A witness that fails here (a margin lost to the
+    rounding of the norm itself) leaves its token inconclusive, with its margin.
+    """
+    d = report._d
+    ids = np.array([k for k in range(report.n_tokens) if report._engine_witness(k) is not None
+                    and (d.verdict[k] != TIED or k == d.representative[k])], dtype=np.int64)
+    if ids.size == 0:
+        return
+    from auditor.domain import Unbounded
+
+    head = build_engine_head(weight, bias, d.representative, Unbounded(), d.tolerances["residual_tol"])
+    for start in range(0, ids.size, 1024):
+        part = ids[start:start + 1024]
+        outputs = np.stack([report.witness(int(k)) for k in part])
+        check = check_witnesses(head, part, torch.as_tensor(outputs, device=weight.device))
+        failed = ~check.certified
+        if failed.any():  # the sharper per-entry rounding bound, for the close calls only
+            again = check_witnesses(head, part[failed], torch.as_tensor(outputs[failed], device=weight.device),
+                                    exact_bound=True)
+            check.certified[failed], check.margin[failed] = again.certified, again.margin
+        for j, k in enumerate(part.tolist()):
+            group = [k] + [i for i in np.nonzero(d.representative == k)[0].tolist() if i != k]
+            for member in group:
+                if d.verdict[member] == 0:
+                    continue
+                d.margin[member] = check.margin[j]
+                if not check.certified[j]:
+                    if d.verdict[member] == TIED:
+                        d.group_verdict[member] = INCONCLUSIVE
+                    else:
+                        d.verdict[member] = INCONCLUSIVE
+                        d.bounds[member] = (float(check.margin[j]), np.inf)
+                        d.explicit_witness.pop(member, None)
+                        d.witness_scale[member] = np.nan

@@ -87,7 +87,20 @@ class Box:
         return bool(np.all(np.abs(z) <= self.radius))
 
 
-Domain = Unbounded | Ball | Box
+@dataclass(frozen=True)
+class Norm:
+    """The outputs of the checkpoint's final LayerNorm or RMSNorm (see auditor/norm.py)."""
+
+    bounded = True
+
+    def __str__(self) -> str:
+        return "norm"
+
+    def contains(self, z) -> bool:  # membership is by construction: every witness is the norm of a pre-norm vector
+        return True
+
+
+Domain = Unbounded | Ball | Box | Norm
 
 
 # Radii far from 1 would push products of weights and hidden states into overflow or underflow.
@@ -106,13 +119,15 @@ def parse_domain(spec: str | Domain) -> Domain:
 
     Domain objects pass through unchanged. Raises InputError for anything else.
     """
-    if isinstance(spec, (Unbounded, Ball, Box)):
+    if isinstance(spec, (Unbounded, Ball, Box, Norm)):
         return spec
     if not isinstance(spec, str):
-        raise InputError(f"unknown domain {spec!r}: use 'unbounded', 'ball:R' or 'box:R'")
+        raise InputError(f"unknown domain {spec!r}: use 'unbounded', 'ball:R', 'box:R' or 'norm'")
     text = spec.strip().lower()
     if text == "unbounded":
         return Unbounded()
+    if text == "norm":
+        return Norm()
     kind, _, radius = text.partition(":")
     if kind in ("ball", "box") and radius:
         try:
@@ -120,4 +135,4 @@ def parse_domain(spec: str | Domain) -> Domain:
         except ValueError:
             raise InputError(f"domain {spec!r}: the radius {radius!r} is not a number") from None
         return Ball(value) if kind == "ball" else Box(value)
-    raise InputError(f"unknown domain {spec!r}: use 'unbounded', 'ball:R' or 'box:R'")
+    raise InputError(f"unknown domain {spec!r}: use 'unbounded', 'ball:R', 'box:R' or 'norm'")

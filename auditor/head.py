@@ -6,20 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-@dataclass
-class FinalNorm:
-    """The normalisation applied to the hidden state right before the head.
-
-    ``kind`` is ``"layernorm"`` (z = g (x - mean x) / sqrt(var x + eps) + beta) or
-    ``"rmsnorm"`` (z = g x / sqrt(mean x^2 + eps)); ``weight`` is g, ``bias`` beta.
-    """
-
-    kind: str
-    weight: Any
-    bias: Any = None
-    eps: float = 1e-5
-    names: tuple[str, ...] = ()
+from auditor.norm import FinalNorm
 
 
 @dataclass

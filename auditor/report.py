@@ -30,7 +30,8 @@ class TokenVerdict:
     ``group_verdict`` says whether the group as a whole could win; the
     certificate fields then hold the group's certificate.
     inconclusive: ``bounds`` = (best witness margin found, best dual bound found).
-    Fields that do not apply are None.
+    In the ``norm`` domain ``witness`` is the norm's output z and ``pre_norm`` a
+    hidden state x whose normalisation is z. Fields that do not apply are None.
     """
 
     id: int
@@ -46,6 +47,7 @@ class TokenVerdict:
     group_verdict: str | None = None
     bounds: tuple[float, float] | None = None
     stage: str | None = None
+    pre_norm: np.ndarray | None = None
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -78,9 +80,11 @@ class AuditReport:
     """The result of ``auditor.audit``: ``tokens[k]``, ``ids(verdict)``, ``counts``, ``to_dict()``."""
 
     def __init__(self, decisions: Decisions, weight_rows, *, n_tokens: int, hidden_size: int, dtype: str,
-                 has_bias: bool, domain, device: str, timings: dict[str, float]):
+                 has_bias: bool, domain, device: str, timings: dict[str, float], norm_map=None):
         self._d = decisions
-        self._row = weight_rows  # k -> float64 row, read from the caller's array without a copy of it
+        self._norm_map = norm_map  # norm domain: the engine saw the reduced head; see auditor/norm.py
+        # k -> float64 row, read from the caller's array without a copy of it
+        self._row = norm_map.row if norm_map is not None else weight_rows
         self.n_tokens = n_tokens
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -111,6 +115,20 @@ class AuditReport:
         return {name: int(tally[VERDICT_NAMES.index(name)]) for name in VERDICTS}
 
     def witness(self, k: int) -> np.ndarray | None:
+        """The witness z (in the norm domain: the norm's output), or None."""
+        y = self._engine_witness(k)
+        if y is None or self._norm_map is None:
+            return y
+        return self._norm_map.outputs(y)[1]
+
+    def pre_norm(self, k: int) -> np.ndarray | None:
+        """Norm domain: a hidden state whose normalisation is the witness; None elsewhere."""
+        y = self._engine_witness(k)
+        if y is None or self._norm_map is None:
+            return None
+        return self._norm_map.outputs(y)[0]
+
+    def _engine_witness(self, k: int) -> np.ndarray | None:
         d = self._d
         if k in d.explicit_witness:
             return d.explicit_witness[k]
@@ -135,8 +153,10 @@ class AuditReport:
         if k in d.convex:
             indices, weights, residual, gap = d.convex[k]
             fields.update(convex_indices=indices, convex_weights=weights, residual=residual, bias_gap=gap)
-        witness = self.witness(k)
+        witness = self._engine_witness(k)
         if witness is not None:
+            if self._norm_map is not None:
+                fields["pre_norm"], witness = self._norm_map.outputs(witness)
             fields.update(witness=witness, margin=float(d.margin[k]))
             if d.runner_up[k] >= 0:
                 fields["runner_up"] = int(d.runner_up[k])
@@ -165,7 +185,9 @@ class AuditReport:
             if token.witness is not None:
                 entry["margin"] = _finite_or_none(token.margin)
                 entry["runner_up"] = token.runner_up
-                if k in d.explicit_witness:
+                if self._norm_map is not None and k in d.explicit_witness:
+                    entry["pre_norm"] = [float(v) for v in token.pre_norm]  # the witness is its normalisation
+                elif k in d.explicit_witness:
                     entry["witness"] = [float(v) for v in token.witness]
                 else:
                     entry["witness"] = {"row": k, "minus_centre": float(d.witness_shift[k]),
@@ -182,8 +204,10 @@ class AuditReport:
                 entry["bounds"] = {"margin_lower": _finite_or_none(token.bounds[0]),
                                    "margin_upper": _finite_or_none(token.bounds[1])}
             tokens.append(entry)
+        norm = self._norm_map.norm if self._norm_map is not None else None
         return {
             "schema_version": SCHEMA_VERSION,
+            "final_norm": None if norm is None else {"kind": norm.kind, "eps": norm.eps, "unit_offset": norm.unit_offset},
             "head": {"n_tokens": self.n_tokens, "hidden_size": self.hidden_size, "dtype": self.dtype,
                      "bias": self.has_bias},
             "domain": str(self.domain),

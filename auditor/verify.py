@@ -66,10 +66,29 @@ def _power_of_two(W: np.ndarray, b: np.ndarray) -> float:
     return 1.0 if peak == 0 else math.ldexp(1.0, -math.frexp(peak)[1])
 
 
-def verify(report: AuditReport, weight, bias=None, chunk: int = 512) -> Verification:
-    """Check every certificate in ``report`` against ``weight`` and ``bias``; returns a Verification."""
+def _normalise(x: np.ndarray, kind: str, gain: np.ndarray, shift: np.ndarray, eps: float) -> np.ndarray:
+    if kind == "layernorm":
+        x = x - x.mean()
+    return gain * x / math.sqrt(float(x @ x) / x.shape[0] + eps) + shift
+
+
+def verify(report: AuditReport, weight, bias=None, final_norm=None, chunk: int = 512) -> Verification:
+    """Check every certificate in ``report`` against ``weight`` and ``bias``; returns a Verification.
+
+    A report of the ``norm`` domain needs the same ``final_norm``: its witnesses
+    are re-derived by normalising their pre-norm vectors here.
+    """
     W = _as_float64(weight)
     b = _as_float64(bias) if bias is not None else np.zeros(W.shape[0])
+    norm = None
+    if str(report.domain) == "norm":
+        if final_norm is None:
+            raise ValueError("a norm-domain report is verified against its final_norm: pass final_norm=")
+        d = W.shape[1]
+        gain = _as_float64(final_norm.weight) if final_norm.weight is not None else np.ones(d)
+        gain = 1.0 + gain if final_norm.unit_offset else gain
+        shift = _as_float64(final_norm.bias) if final_norm.bias is not None else np.zeros(d)
+        norm = (final_norm.kind, gain, shift, float(final_norm.eps))
     scale = _power_of_two(W, b)
     W, b = W * scale, b * scale  # exact: the largest entry lands in [0.5, 1), far from underflow for real heads
     n, d = W.shape
@@ -89,7 +108,10 @@ def verify(report: AuditReport, weight, bias=None, chunk: int = 512) -> Verifica
     abs_W = np.abs(W)
     for start in range(0, len(with_witness), chunk):
         ks = np.array(with_witness[start:start + chunk])
-        Z = np.stack([tokens[int(k)].witness for k in ks])
+        if norm is not None:  # the model's own output for the stated hidden state, not the report's z
+            Z = np.stack([_normalise(tokens[int(k)].pre_norm, *norm) for k in ks])
+        else:
+            Z = np.stack([tokens[int(k)].witness for k in ks])
         rows = np.arange(len(ks))
         logits = Z @ W.T + b[None, :]
         bound = _gamma(d + 2) * (np.abs(Z) @ abs_W.T + np.abs(b)[None, :]) * (1 + _gamma(d + 2)) + 4 * (d + 4) * _ETA
@@ -111,10 +133,42 @@ def verify(report: AuditReport, weight, bias=None, chunk: int = 512) -> Verifica
         if token.convex_indices is None:
             continue
         result.checked += 1
-        if not _convex_ok(report.domain, W, b, token, group.get(token.id, set()), tol, typical):
+        ok = _convex_ok(report.domain if norm is None else _UNBOUNDED, W, b, token, group.get(token.id, set()),
+                        tol, typical)
+        if not ok and norm is not None:  # the exact certificate of the norm domain: a ball dual on the reduced head
+            ok = _norm_convex_ok(W, b, token, group.get(token.id, set()), norm)
+        if not ok:
             result.failed.append(token.id)
     result.failed = sorted(set(result.failed))
     return result
+
+
+class _Unbounded:
+    bounded = False
+
+
+_UNBOUNDED = _Unbounded()
+
+
+def _norm_convex_ok(W, b, token, group: set, norm) -> bool:
+    """Dual value sqrt(d) ||P(g * o)|| + o . beta + b_k - sum alpha_i b_i <= 0, o = w_k - sum alpha_i w_i."""
+    kind, gain, shift, _ = norm
+    k = token.id
+    idx = np.asarray(token.convex_indices, dtype=np.int64)
+    alpha = np.asarray(token.convex_weights, dtype=np.float64)
+    if idx.size == 0 or np.any(alpha < 0) or k in idx or group.intersection(idx.tolist()) or abs(alpha.sum() - 1) > 1e-12:
+        return False
+    d = W.shape[1]
+    offset = W[k] - alpha @ W[idx]
+    scaled = gain * offset
+    if kind == "layernorm":
+        scaled = scaled - scaled.mean()
+    involved = float(alpha @ np.abs(W[idx]).max(axis=1)) + float(np.abs(W[k]).max())
+    slack = 4 * _gamma(idx.size + d + 4) * involved * (math.sqrt(d) * float(np.abs(gain).max()) * math.sqrt(d)
+                                                      + float(np.abs(shift).sum())) + 8 * _ETA
+    value = (math.sqrt(d) * float(np.linalg.norm(scaled)) + float(offset @ shift) + float(b[k] - alpha @ b[idx])
+             + 2 * _gamma(idx.size + 2) * float(alpha @ np.abs(b[idx])) + slack)
+    return value <= 0
 
 
 def _inside(domain, z: np.ndarray) -> bool:

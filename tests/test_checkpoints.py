@@ -278,3 +278,19 @@ def test_sharded_torch_folder_and_explicit_names(tmp_path):
     assert explicit["head"]["weight"] == "model.embed_tokens.weight" and explicit["head"]["bias"] == "lm_head.bias"
     unbiased = json.loads(audit_cli(tmp_path, "--bias", "none", "--format", "json").stdout)
     assert unbiased["head"]["bias"] is None
+
+
+def test_norm_domain_reads_the_final_norm_from_the_checkpoint(tmp_path):
+    rng = np.random.default_rng(2)
+    rows = rng.standard_normal((50, 4)).astype(np.float32)
+    path = tmp_path / "head.safetensors"
+    save_file({"lm_head.weight": rows, "model.norm.weight": rng.uniform(0.5, 1.5, 4).astype(np.float32)}, str(path))
+    (tmp_path / "config.json").write_text(json.dumps({"rms_norm_eps": 1e-6}))
+    done = audit_cli(path, "--domain", "norm", "--format", "json", "--quiet")
+    assert done.returncode in (0, 1), done.stderr
+    report = json.loads(done.stdout)
+    assert report["domain"] == "norm" and report["head"]["final_norm"]["kind"] == "rmsnorm"
+    assert report["head"]["final_norm"]["eps"] == 1e-6
+    bare = tmp_path / "bare.safetensors"
+    save_file({"lm_head.weight": rows}, str(bare))
+    assert "final norm" in _one_error_line(audit_cli(bare, "--domain", "norm"))

@@ -34,7 +34,7 @@ from auditor.engine.ties import duplicate_groups
 
 UNDECIDED, ARGMAXABLE, UNARGMAXABLE, TIED, INCONCLUSIVE = range(5)
 VERDICT_NAMES = ("undecided", "argmaxable", "unargmaxable", "tied", "inconclusive")
-STAGES = ("", "single row", "screen", "interior", "frank-wolfe", "lp")
+STAGES = ("", "single row", "screen", "interior", "frank-wolfe", "lp", "unbounded hull")
 
 
 @dataclass
@@ -98,13 +98,19 @@ def _power_of_two_scale(weight: torch.Tensor, bias: torch.Tensor | None):
 
 
 def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, domain: Domain,
-           options: EngineOptions, progress: bool) -> Decisions:
+           options: EngineOptions, progress: bool, row_error: torch.Tensor | None = None,
+           bias_error: torch.Tensor | None = None) -> Decisions:
+    """Decide tokens ``ids``. ``row_error`` / ``bias_error`` bound how far derived rows (the norm
+    domain's reduced head) may be from the exact ones; convex certificates allow for them."""
     n = weight.shape[0]
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     weight, bias, factor = _power_of_two_scale(weight, bias)
+    if factor != 1.0:
+        row_error = row_error * factor if row_error is not None else None
+        bias_error = bias_error * factor if bias_error is not None else None
     representative = duplicate_groups(weight, bias)
-    head = build_engine_head(weight, bias, representative, domain, options.residual_tol)
+    head = build_engine_head(weight, bias, representative, domain, options.residual_tol, row_error, bias_error)
     timings["ties"] = time.perf_counter() - clock
 
     out = Decisions(

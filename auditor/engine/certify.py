@@ -135,6 +135,8 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
     offset = (w_k - combination).cpu().numpy()
     involved = float(alpha @ head.row_norm[index]) / total
     error = 2 * gamma(s + 2) * involved + drift * r_k + head.underflow_floor
+    if head.row_error is not None:  # the rows are computed from the model's; their own error counts too
+        error += float(alpha @ head.row_error[index]) / total + float(head.row_error[k])
     delta = float(np.linalg.norm(offset)) * (1 + gamma(head.d + 1)) + error
 
     gap = 0.0
@@ -145,6 +147,8 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
         gap += 2 * gamma(s + 2) * float(alpha @ b.abs()) / total + drift * abs(b_k)
         if b_k != 0 or bool(b.any()):
             gap += head.underflow_floor
+        if head.bias_error is not None:
+            gap += float(alpha @ head.bias_error[index]) / total + float(head.bias_error[k])
     small_residual = math.isfinite(delta) and delta <= head.residual_tolerance(k)
     hull_certificate = small_residual and gap <= 0
 

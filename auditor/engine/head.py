@@ -33,6 +33,8 @@ class EngineHead:
     centre_logits: torch.Tensor  # n, w_i . centre
     domain: Domain
     residual_tol: float  # relative tolerance for the residual of a convex certificate
+    row_error: torch.Tensor | None = None  # bound on ||stored row - exact row|| when the rows were derived
+    bias_error: torch.Tensor | None = None  # likewise for the bias
 
     @property
     def n(self) -> int:
@@ -121,7 +123,8 @@ def _low_quantile(norms: torch.Tensor) -> float:
 
 
 def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, representative: np.ndarray,
-                      domain: Domain, residual_tol: float) -> EngineHead:
+                      domain: Domain, residual_tol: float, row_error: torch.Tensor | None = None,
+                      bias_error: torch.Tensor | None = None) -> EngineHead:
     device = weight.device
     competitor_np = representative == np.arange(representative.shape[0])
     competitor = torch.as_tensor(competitor_np, device=device)
@@ -145,4 +148,6 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
         centre_logits=weight @ centre,
         domain=domain,
         residual_tol=residual_tol,
+        row_error=row_error,
+        bias_error=bias_error,
     )

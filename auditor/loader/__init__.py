@@ -131,7 +131,8 @@ def load_head(path, weight: str | None = None, bias: str | None = None, progress
         kind, eps = _norm_kind(config, store, names.norm_bias is not None)
         head.final_norm = FinalNorm(kind, loaded[names.norm_weight],
                                     loaded[names.norm_bias] if names.norm_bias else None, eps,
-                                    tuple(n for n in (names.norm_weight, names.norm_bias) if n))
+                                    unit_offset=str(config.get("model_type", "")).startswith("gemma"),
+                                    names=tuple(n for n in (names.norm_weight, names.norm_bias) if n))
     if isinstance(store, GGUFStore):
         tokens = store.metadata("tokenizer.ggml.tokens")
         if isinstance(tokens, list):

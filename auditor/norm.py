@@ -1,0 +1,141 @@
+"""The ``norm`` domain: the hidden states a checkpoint's final LayerNorm or RMSNorm can output.
+
+LayerNorm maps x to z = g (x - mean x) / sqrt(var x + eps) + beta. Its
+normalised part u = (x - mean x) / sqrt(var x + eps) is orthogonal to the
+all-ones vector and has ||u||^2 = d var / (var + eps): with eps > 0 every
+length below sqrt(d) is reached (small variances give short u), none at or
+above it. So the outputs are exactly { g u + beta : u . 1 = 0, ||u|| < sqrt(d) },
+an open ball in a subspace, mapped affinely. RMSNorm (z = g x / sqrt(mean x^2 + eps))
+gives { g u : ||u|| < sqrt(d) } the same way, without the subspace and beta.
+
+A strict win is an open condition, so a token wins somewhere in the open ball
+iff it wins somewhere in its closure. With P the projection onto the
+subspace, the logits are W (g u + beta) + b = (W diag(g) P) u + (W beta + b),
+so the norm domain is the ball of radius sqrt(d) for the reduced head
+W_r = W diag(g) P (rows g * w_i minus their mean, for LayerNorm) and
+b_r = W beta + b. The engine decides that; a witness u is turned back into a
+pre-norm vector x = c u with c = sqrt(eps / (1 - ||u||^2 / d)), pushed through
+the norm in float64 and checked against the original head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from auditor._input import prepare_vector
+from auditor.errors import InputError
+
+KINDS = ("layernorm", "rmsnorm")
+
+
+@dataclass
+class FinalNorm:
+    """The normalisation applied to the hidden state right before the head.
+
+    ``kind`` is ``"layernorm"`` (z = g (x - mean x) / sqrt(var x + eps) + beta) or
+    ``"rmsnorm"`` (z = g x / sqrt(mean x^2 + eps)); ``weight`` is g and ``bias``
+    beta (None: zero). ``unit_offset`` says the stored weight is g - 1 (the
+    convention of Gemma and some others: the layer multiplies by 1 + weight).
+    """
+
+    kind: str
+    weight: Any = None
+    bias: Any = None
+    eps: float = 1e-5
+    unit_offset: bool = False
+    names: tuple[str, ...] = ()
+
+
+@dataclass
+class ReducedHead:
+    weight: torch.Tensor  # n x d: W diag(g) P
+    bias: torch.Tensor  # n: W beta + b
+    row_error: torch.Tensor  # n: bound on || computed row - exact row ||
+    bias_error: torch.Tensor  # n: bound on | computed bias - exact bias |
+    gain: torch.Tensor  # d: g (with the unit offset applied)
+    shift: torch.Tensor  # d: beta
+    radius: float  # sqrt(d)
+
+
+def check_final_norm(norm: FinalNorm, d: int) -> None:
+    if not isinstance(norm, FinalNorm):
+        raise InputError("domain 'norm' needs final_norm=auditor.FinalNorm(kind, weight=..., bias=..., eps=...)")
+    if norm.kind not in KINDS:
+        raise InputError(f"unknown final norm kind {norm.kind!r}; use 'layernorm' or 'rmsnorm'")
+    if not (isinstance(norm.eps, (int, float)) and math.isfinite(norm.eps) and norm.eps > 0):
+        raise InputError(f"the final norm's eps must be a positive number, got {norm.eps!r}")
+
+
+def reduce_head(weight: torch.Tensor, bias: torch.Tensor | None, norm: FinalNorm) -> ReducedHead:
+    """The head seen from the normalised vector u (see the module docstring), with rounding bounds."""
+    n, d = weight.shape
+    check_final_norm(norm, d)
+    device = weight.device
+    gain = prepare_vector(norm.weight, d, "the final norm's weight", device) if norm.weight is not None \
+        else torch.ones(d, dtype=torch.float64, device=device)
+    if norm.unit_offset:
+        gain = 1.0 + gain
+    shift = prepare_vector(norm.bias, d, "the final norm's bias", device) if norm.bias is not None \
+        else torch.zeros(d, dtype=torch.float64, device=device)
+    if norm.kind == "rmsnorm" and bool(shift.any()):
+        raise InputError("an RMSNorm has no bias; use kind='layernorm' for a norm with one")
+    u = 2.0**-53
+    scaled = weight * gain
+    if norm.kind == "layernorm":
+        reduced = scaled - scaled.mean(dim=1, keepdim=True)
+        # product, mean (d terms) and subtraction: (d + 3) roundings of entries at most max|g w_i|
+        peak = scaled.abs().amax(dim=1)
+        row_error = 2 * (d + 3) * u * peak * math.sqrt(d)
+    else:
+        reduced = scaled
+        row_error = u * torch.linalg.vector_norm(scaled, dim=1)
+    offset = weight @ shift
+    bias_error = 2 * (d + 2) * u * (weight.abs() @ shift.abs())
+    if bias is not None:
+        offset = offset + bias
+        bias_error = bias_error + u * bias.abs()
+    return ReducedHead(reduced, offset, row_error, bias_error, gain, shift, math.sqrt(d))
+
+
+def pre_norm(u: np.ndarray, norm: FinalNorm) -> np.ndarray:
+    """A vector x whose normalised part is u (||u|| < sqrt(d); for LayerNorm u must sum to 0)."""
+    d = u.shape[0]
+    fill = float(u @ u) / d
+    if fill >= 1.0:
+        raise ValueError("the normalised part of an output has length below sqrt(d)")
+    return math.sqrt(norm.eps / (1.0 - fill)) * u
+
+
+def apply_norm(x: np.ndarray, norm: FinalNorm, gain: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    """The norm's output for x, in float64, as the layer computes it."""
+    if norm.kind == "layernorm":
+        centred = x - x.mean()
+        return gain * (centred / math.sqrt(float(centred @ centred) / x.shape[0] + norm.eps)) + shift
+    return gain * (x / math.sqrt(float(x @ x) / x.shape[0] + norm.eps))
+
+
+class NormMap:
+    """Turns a witness of the reduced head (a point y of the ball) into the model's terms."""
+
+    def __init__(self, norm: FinalNorm, reduced: ReducedHead):
+        self.norm = norm
+        self.gain = reduced.gain.cpu().numpy()
+        self.shift = reduced.shift.cpu().numpy()
+        self.reduced_rows = reduced.weight.cpu()  # the rows the engine's witness formula refers to
+
+    def row(self, k: int) -> np.ndarray:
+        return self.reduced_rows[k].numpy()
+
+    def outputs(self, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(pre-norm x, normalised output z) for the engine's witness y."""
+        u = y - y.mean() if self.norm.kind == "layernorm" else y
+        radius2 = u.shape[0]
+        if float(u @ u) >= radius2:  # rounding put it on the sphere: pull it just inside
+            u = u * (1 - 1e-12) * math.sqrt(radius2 / float(u @ u))
+        x = pre_norm(u, self.norm)
+        return x, apply_norm(x, self.norm, self.gain, self.shift)
