@@ -36,11 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--norm-unit-offset", action="store_true",
                         help="the final norm multiplies by 1 + weight (Gemma's convention; detected from config.json)")
     parser.add_argument("--device", default="auto", help="auto (default: CUDA when available), cpu or cuda")
+    parser.add_argument("--ceiling", type=float, metavar="P",
+                        help="also compute each token's largest reachable probability (bounded domains) and report "
+                             "argmaxable tokens that can never reach P as low-ceiling findings")
     parser.add_argument("--tokens", metavar="IDS", help="decide only these ids, e.g. 0-99,50256,128000- (the rest are undecided)")
     parser.add_argument("--format", choices=sorted(FORMATS), default="text", help="report format (default: text)")
     parser.add_argument("--output", type=Path, metavar="FILE", help="write the report to FILE (atomically) instead of stdout")
-    parser.add_argument("--fail-on", default="unargmaxable,tied,inconclusive", metavar="VERDICTS",
-                        help="verdicts that fail the run (default: unargmaxable,tied,inconclusive; 'none' never fails)")
+    parser.add_argument("--fail-on", default="unargmaxable,tied,inconclusive,low-ceiling", metavar="VERDICTS",
+                        help="verdicts that fail the run (default: unargmaxable,tied,inconclusive,low-ceiling; "
+                             "'none' never fails)")
     parser.add_argument("--allow", type=Path, metavar="FILE", help="expected findings: token ids or exact token strings, one per line")
     parser.add_argument("--certificates", type=Path, metavar="FILE", help="write every certificate as JSON, for re-checking")
     parser.add_argument("--list-tensors", action="store_true", help="list the checkpoint's 2-D tensors and exit")
@@ -117,9 +121,11 @@ def run(args: argparse.Namespace) -> int:
         final_norm = head.final_norm
         if args.norm_unit_offset:
             final_norm.unit_offset = True
+    if args.ceiling is not None and not 0 < args.ceiling <= 1:
+        raise InputError(f"--ceiling takes a probability in (0, 1], got {args.ceiling}")
     report = auditor.audit(head.weight, head.bias, domain=args.domain, device=args.device, tokens=tokens,
-                           progress=progress, final_norm=final_norm)
-    result = run_gate(head, report, fail_on, allow, load_seconds)
+                           progress=progress, final_norm=final_norm, probability_ceiling=args.ceiling is not None)
+    result = run_gate(head, report, fail_on, allow, load_seconds, args.ceiling)
     rendered = FORMATS[args.format](result)
     if args.certificates:
         document = report.to_dict()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable
 
@@ -30,7 +31,8 @@ def _row_reader(weight):
 
 def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str = "auto",
           tokens: Iterable[int] | None = None, progress: bool = True, final_norm: FinalNorm | None = None,
-          residual_tol: float = 1e-10, frank_wolfe_iterations: int = 100, lp_rounds: int = 30) -> AuditReport:
+          probability_ceiling: bool = False, residual_tol: float = 1e-10, frank_wolfe_iterations: int = 100,
+          lp_rounds: int = 30) -> AuditReport:
     """Decide which tokens of a head can be the strict argmax of its logits ``W z + b``.
 
     ``weight`` is an n x d numpy array or torch tensor (float16, bfloat16, float32
@@ -39,8 +41,11 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     ``"norm"`` decides over the outputs of the final normalisation given as
     ``final_norm=auditor.FinalNorm(kind, weight=g, bias=beta, eps=eps)``.
     ``tokens`` restricts the audit to some ids; the others are reported
-    ``undecided``. ``residual_tol`` is the relative residual an unargmaxable
-    certificate may rest on (see docs/method.md).
+    ``undecided``. ``probability_ceiling=True`` (bounded domains only) also
+    sets ``tokens[k].max_probability``, the largest softmax probability token k
+    reaches in the domain, to within 1e-4, with ``probability_bounds`` and the
+    point that attains the lower bound. ``residual_tol`` is the relative
+    residual an unargmaxable certificate may rest on (see docs/method.md).
 
     Returns an AuditReport. Raises auditor.InputError for bad input (NaN or Inf
     weights, wrong shapes or dtypes, an empty head, an unknown domain or device)
@@ -49,6 +54,9 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     started = time.perf_counter()
     check_options(residual_tol, frank_wolfe_iterations, lp_rounds)
     parsed_domain = parse_domain(domain)
+    if probability_ceiling and not parsed_domain.bounded:
+        raise InputError("probability ceilings need a bounded domain (ball:R, box:R or norm): in the unbounded "
+                         "domain every argmaxable token's probability comes arbitrarily close to 1")
     chosen = resolve_device(device)
     w64, b64, dtype = prepare_inputs(weight, bias, chosen)
     ids = prepare_token_ids(tokens, w64.shape[0])
@@ -62,9 +70,13 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
         norm_map = NormMap(final_norm, reduced)
         decisions = decide(reduced.weight, reduced.bias, ids, Ball(reduced.radius), options, progress,
                            reduced.row_error, reduced.bias_error)
+        if probability_ceiling:
+            _ceilings(decisions, reduced.weight, reduced.bias, ids, Ball(reduced.radius), progress)
         del reduced
     else:
         decisions = decide(w64, b64, ids, parsed_domain, options, progress)
+        if probability_ceiling:
+            _ceilings(decisions, w64, b64, ids, parsed_domain, progress)
     timings = dict(decisions.timings)
     report = AuditReport(decisions, _row_reader(weight), n_tokens=w64.shape[0], hidden_size=w64.shape[1],
                          dtype=dtype, has_bias=b64 is not None, domain=parsed_domain, device=str(chosen),
@@ -76,6 +88,22 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
         timings["norm_check"] = time.perf_counter() - clock
     timings["total"] = time.perf_counter() - started
     return report
+
+
+def _ceilings(decisions, weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, domain,
+              progress: bool) -> None:
+    """Probability ceilings for the requested tokens, started from each token's own row."""
+    from tqdm import tqdm
+
+    from auditor.engine.ceiling import probability_ceilings
+
+    clock = time.perf_counter()
+    start = weight[torch.as_tensor(ids, device=weight.device)].clone()
+    with tqdm(total=len(ids), desc="ceilings", file=sys.stderr, disable=not progress, leave=False, unit="tok") as bar:
+        found = probability_ceilings(weight, bias, ids, domain, start, progress=bar)
+    for j, k in enumerate(ids.tolist()):
+        decisions.ceiling[k] = (float(found.lower[j]), float(found.upper[j]), found.point[j])
+    decisions.timings["ceilings"] = time.perf_counter() - clock
 
 
 def _hull_fallback(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -10,7 +10,7 @@ from auditor.errors import InputError
 from auditor.head import Head
 from auditor.report import AuditReport
 
-FINDING_VERDICTS = ("unargmaxable", "tied", "inconclusive")
+FINDING_VERDICTS = ("unargmaxable", "tied", "inconclusive", "low-ceiling")
 DEFAULT_FAIL_ON = frozenset(FINDING_VERDICTS)
 EXIT_CLEAN, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 _COMPETITORS = 5
@@ -37,6 +37,7 @@ class Finding:
     tied_with: list[int] | None = None
     group_verdict: str | None = None
     bounds: tuple[float, float] | None = None
+    probability_bounds: tuple[float, float] | None = None  # (reached, upper bound) of the softmax probability
     allowed: bool = False
 
 
@@ -93,6 +94,7 @@ class GateResult:
     findings: list[Finding]
     fail_on: frozenset[str]
     load_seconds: float = 0.0
+    ceiling: float | None = None
 
     @property
     def failing(self) -> list[Finding]:
@@ -114,14 +116,21 @@ def parse_fail_on(text: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def collect_findings(head: Head, report: AuditReport, allow: AllowList | None = None) -> list[Finding]:
+def collect_findings(head: Head, report: AuditReport, allow: AllowList | None = None,
+                     ceiling: float | None = None) -> list[Finding]:
+    """Every token that is not argmaxable; with ``ceiling``, also argmaxable tokens whose
+    probability ceiling is below it (their upper bound is below ``ceiling``)."""
     findings = []
+    low = [] if ceiling is None else [k for k in report.ids("argmaxable")
+                                      if report.tokens[k].probability_bounds is not None
+                                      and report.tokens[k].probability_bounds[1] < ceiling]
     for verdict in FINDING_VERDICTS:
-        for k in report.ids(verdict):
+        for k in (low if verdict == "low-ceiling" else report.ids(verdict)):
             token = report.tokens[k]
             finding = Finding(id=k, token=head.token(k), verdict=verdict, residual=token.residual,
                               bias_gap=token.bias_gap, tied_with=token.tied_with,
-                              group_verdict=token.group_verdict, bounds=token.bounds)
+                              group_verdict=token.group_verdict, bounds=token.bounds,
+                              probability_bounds=token.probability_bounds)
             if token.convex_indices is not None:
                 finding.support = len(token.convex_indices)
                 finding.competitors = [Competitor(int(i), head.token(int(i)), float(w)) for i, w in
@@ -133,5 +142,6 @@ def collect_findings(head: Head, report: AuditReport, allow: AllowList | None = 
 
 
 def run_gate(head: Head, report: AuditReport, fail_on=DEFAULT_FAIL_ON, allow: AllowList | None = None,
-             load_seconds: float = 0.0) -> GateResult:
-    return GateResult(head, report, collect_findings(head, report, allow), frozenset(fail_on), load_seconds)
+             load_seconds: float = 0.0, ceiling: float | None = None) -> GateResult:
+    return GateResult(head, report, collect_findings(head, report, allow, ceiling), frozenset(fail_on), load_seconds,
+                      ceiling)

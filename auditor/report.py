@@ -31,7 +31,10 @@ class TokenVerdict:
     certificate fields then hold the group's certificate.
     inconclusive: ``bounds`` = (best witness margin found, best dual bound found).
     In the ``norm`` domain ``witness`` is the norm's output z and ``pre_norm`` a
-    hidden state x whose normalisation is z. Fields that do not apply are None.
+    hidden state x whose normalisation is z. With ``probability_ceiling=True``:
+    ``max_probability`` (reached at ``probability_point``, in the norm domain the
+    norm's output) and ``probability_bounds`` = (that value, an upper bound no
+    point of the domain exceeds), at most 1e-4 apart. Fields that do not apply are None.
     """
 
     id: int
@@ -48,6 +51,9 @@ class TokenVerdict:
     bounds: tuple[float, float] | None = None
     stage: str | None = None
     pre_norm: np.ndarray | None = None
+    max_probability: float | None = None
+    probability_bounds: tuple[float, float] | None = None
+    probability_point: np.ndarray | None = None
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -162,6 +168,11 @@ class AuditReport:
                 fields["runner_up"] = int(d.runner_up[k])
         if k in d.bounds:
             fields["bounds"] = d.bounds[k]
+        if k in d.ceiling:
+            lower, upper, point = d.ceiling[k]
+            if self._norm_map is not None:
+                point = self._norm_map.outputs(point)[1]
+            fields.update(max_probability=lower, probability_bounds=(lower, upper), probability_point=point)
         return TokenVerdict(**fields)
 
     # -- serialisation ---------------------------------------------------------------------------
@@ -203,6 +214,9 @@ class AuditReport:
             if token.bounds is not None:
                 entry["bounds"] = {"margin_lower": _finite_or_none(token.bounds[0]),
                                    "margin_upper": _finite_or_none(token.bounds[1])}
+            if token.max_probability is not None:
+                entry["max_probability"] = {"lower": token.probability_bounds[0], "upper": token.probability_bounds[1],
+                                            "point": [float(v) for v in token.probability_point]}
             tokens.append(entry)
         norm = self._norm_map.norm if self._norm_map is not None else None
         return {

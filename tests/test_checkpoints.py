@@ -294,3 +294,17 @@ def test_norm_domain_reads_the_final_norm_from_the_checkpoint(tmp_path):
     bare = tmp_path / "bare.safetensors"
     save_file({"lm_head.weight": rows}, str(bare))
     assert "final norm" in _one_error_line(audit_cli(bare, "--domain", "norm"))
+
+
+def test_ceiling_flags_argmaxable_tokens_that_never_reach_p(tmp_path):
+    # four rows on the axes and one short row between two of them: it wins, but only barely
+    rows = np.array([[1, 0], [-1, 0], [0, 1], [0, -1], [0.6, 0.6]], dtype=np.float32)
+    path = tmp_path / "head.npy"
+    np.save(path, rows)
+    done = audit_cli(path, "--domain", "ball:2", "--ceiling", "0.5", "--format", "json", "--quiet")
+    report = json.loads(done.stdout)
+    low = {f["id"]: f for f in report["findings"] if f["verdict"] == "low-ceiling"}
+    assert done.returncode == 1 and list(low) == [4]
+    assert low[4]["max_probability"]["upper"] < 0.5
+    assert audit_cli(path, "--domain", "ball:2", "--ceiling", "0.3", "--quiet").returncode == 0
+    assert "bounded" in _one_error_line(audit_cli(path, "--ceiling", "0.5"))

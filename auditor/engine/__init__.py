@@ -60,6 +60,7 @@ class Decisions:
     convex: dict[int, tuple[np.ndarray, np.ndarray, float, float]] = field(default_factory=dict)
     bounds: dict[int, tuple[float, float]] = field(default_factory=dict)
     group_verdict: dict[int, int] = field(default_factory=dict)  # tied token -> its group's verdict code
+    ceiling: dict[int, tuple[float, float, np.ndarray]] = field(default_factory=dict)  # k -> (lower, upper, point)
     timings: dict[str, float] = field(default_factory=dict)
     tolerances: dict[str, float] = field(default_factory=dict)
 

@@ -16,7 +16,7 @@ def head_lines(result: GateResult) -> list[tuple[str, str]]:
         ("shape", f"{n} x {d} {head.dtype}"),
         ("bias", "yes" if head.bias is not None else "no"),
         ("tied", "yes, the input embedding is the head" if head.tied else "no"),
-        ("domain", str(report.domain)),
+        ("domain", str(report.domain) + (f", probability ceiling {result.ceiling:g}" if result.ceiling else "")),
         ("time", f"{result.load_seconds + report.timings['total']:.2f} s "
                  f"(load {result.load_seconds:.2f} s, audit {report.timings['total']:.2f} s)"),
     ]
@@ -32,6 +32,9 @@ def evidence(finding: Finding) -> str:
         return f"residual {finding.residual:.1e}"
     if finding.verdict == "tied":
         return f"group {finding.group_verdict}"
+    if finding.verdict == "low-ceiling":
+        lower, upper = finding.probability_bounds
+        return f"max probability {lower:.4f}"
     lower, upper = finding.bounds
     return f"margin in [{lower:.1e}, {upper:.1e}]"
 

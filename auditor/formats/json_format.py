@@ -36,6 +36,7 @@ def render(result: GateResult) -> str:
         "domain": str(report.domain),
         "summary": {"n_tokens": report.n_tokens, **report.counts, "failing": len(result.failing)},
         "fail_on": sorted(result.fail_on),
+        "ceiling": result.ceiling,
         "findings": [
             {
                 "id": f.id,
@@ -49,6 +50,8 @@ def render(result: GateResult) -> str:
                 "group_verdict": f.group_verdict,
                 "bounds": None if f.bounds is None else {"margin_lower": _number(f.bounds[0]),
                                                          "margin_upper": _number(f.bounds[1])},
+                "max_probability": None if f.probability_bounds is None else {
+                    "lower": f.probability_bounds[0], "upper": f.probability_bounds[1]},
                 "allowed": f.allowed,
             }
             for f in result.findings
