@@ -67,7 +67,9 @@ def parse_token_ids(text: str, n: int) -> list[int]:
             last = (int(stop) if stop else n - 1) if dash else first
         except ValueError:
             raise InputError(f"--tokens: {part!r} is not an id or a range like 10-20") from None
-        if first < 0 or last >= n or first > last:
+        if first > last:
+            raise InputError(f"--tokens: the range {part!r} runs backwards")
+        if first < 0 or last >= n:
             raise InputError(f"--tokens: {part!r} is outside the vocabulary 0..{n - 1}")
         ids.extend(range(first, last + 1))
     if not ids:
@@ -75,20 +77,41 @@ def parse_token_ids(text: str, n: int) -> list[int]:
     return ids
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder and rename: readers never see half a file."""
+def check_writable(path: Path) -> None:
+    """Refuse an output path before any work is done, rather than after."""
     folder = path.resolve().parent
     if not folder.is_dir():
         raise InputError(f"{path}: the folder {folder} does not exist")
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder, not a file")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"{path}: the folder {folder} is not writable")
+
+
+def write_atomically(files: dict[Path, str]) -> None:
+    """Write every file via a temporary beside it, then rename them all: readers never see half a
+    report, and a failure leaves none of them behind."""
+    mask = os.umask(0)
+    os.umask(mask)
+    temporaries: dict[Path, str] = {}
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
+        for path, text in files.items():
+            handle, temporary = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=".tmp")
+            temporaries[path] = temporary
+            with os.fdopen(handle, "w", encoding="utf-8") as stream:
+                stream.write(text)
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.chmod(temporary, 0o666 & ~mask)  # mkstemp makes 0600; a report should be as readable as any file
+        for path, temporary in temporaries.items():
+            os.replace(temporary, path)
+    except OSError as error:
+        for temporary in temporaries.values():
+            Path(temporary).unlink(missing_ok=True)
+        raise InputError(f"cannot write the report: {error.strerror or error}") from None
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        for temporary in temporaries.values():
+            Path(temporary).unlink(missing_ok=True)
         raise
 
 
@@ -107,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(_list_tensors(args.path))
         return 0
     progress = not args.quiet and sys.stderr.isatty()  # bars in a terminal, never in CI logs
+    for target in (args.output, args.certificates):
+        if target is not None:
+            check_writable(target)
+    auditor.parse_domain(args.domain)  # a typo should not cost a checkpoint load
     fail_on = parse_fail_on(args.fail_on)
     allow = AllowList.read(args.allow) if args.allow else None
     started = time.perf_counter()
@@ -127,13 +154,15 @@ def run(args: argparse.Namespace) -> int:
                            progress=progress, final_norm=final_norm, probability_ceiling=args.ceiling is not None)
     result = run_gate(head, report, fail_on, allow, load_seconds, args.ceiling)
     rendered = FORMATS[args.format](result)
+    files: dict[Path, str] = {}
     if args.certificates:
         document = report.to_dict()
         document["head"].update(path=str(head.path), weight_tensor=head.weight_name, bias_tensor=head.bias_name)
-        write_atomically(args.certificates, json.dumps(document, allow_nan=False) + "\n")
+        files[args.certificates] = json.dumps(document, allow_nan=False) + "\n"
     if args.output:
-        write_atomically(args.output, rendered)
-    else:
+        files[args.output] = rendered
+    write_atomically(files)
+    if not args.output:
         sys.stdout.write(rendered)
     return result.exit_code
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,10 +75,11 @@ class AllowList:
                     raise InputError(f"{path}:{number}: unexpected text after the quoted token string: {rest}")
                 allow.strings.add(string)
                 continue
-            line = line.split("#", 1)[0].strip()
+            # '#' starts a comment at the start of a line or after a space: "C#" is a token string
+            line = re.split(r"(?:^|\s)#", line, maxsplit=1)[0].strip()
             if not line:
                 continue
-            if line.lstrip("-").isdigit():
+            if re.fullmatch(r"[0-9]+", line):
                 allow.ids.add(int(line))
             else:
                 allow.strings.add(line)

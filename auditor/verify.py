@@ -37,6 +37,13 @@ def _gamma(n: int) -> float:
     return n * _U / (1 - n * _U)
 
 
+def _norm(x: np.ndarray, axis=None):
+    """Euclidean norm without underflow or overflow: the peak is divided out first."""
+    peak = np.abs(x).max(axis=axis, keepdims=True, initial=0.0)
+    unit = x / np.where(peak > 0, peak, 1.0)
+    return np.squeeze(peak, axis=axis) * np.linalg.norm(unit, axis=axis)
+
+
 @dataclass
 class Verification:
     checked: int = 0
@@ -95,6 +102,10 @@ def verify(report: AuditReport, weight, bias=None, final_norm=None, chunk: int =
     result = Verification()
     tokens = [report.tokens[k] for k in range(n)]
     group = {t.id: set(t.tied_with) for t in tokens if t.tied_with}
+    for k, others in group.items():  # a tie is itself a claim: the rows (and biases) must be equal
+        result.checked += 1
+        if norm is None and not all(np.array_equal(W[k], W[j]) and b[k] == b[j] for j in others):
+            result.failed.append(k)
 
     for token in tokens:  # every decided verdict must carry the certificate it claims
         claim = token.group_verdict if token.verdict == "tied" else token.verdict
@@ -128,19 +139,36 @@ def verify(report: AuditReport, weight, bias=None, final_norm=None, chunk: int =
                 result.failed.append(k)
 
     tol = report.tolerances["residual_tol"]
-    typical = report.tolerances["typical_row_norm"] * scale
+    views = [(report.domain, W, b, _typical_row_norm(W, b))]
+    if norm is not None:  # the hull on the rows as given, or the ball question on the reduced head
+        kind, gain, shift, _ = norm
+        reduced = _reduced_rows(W, norm)
+        reduced_bias = W @ shift + b
+        views = [(_UNBOUNDED, W, b, views[0][3]),
+                 (Ball(math.sqrt(d)), reduced, reduced_bias, _typical_row_norm(reduced, reduced_bias))]
     for token in tokens:
         if token.convex_indices is None:
             continue
         result.checked += 1
-        ok = _convex_ok(report.domain if norm is None else _UNBOUNDED, W, b, token, group.get(token.id, set()),
-                        tol, typical)
-        if not ok and norm is not None:  # the exact certificate of the norm domain: a ball dual on the reduced head
-            ok = _norm_convex_ok(W, b, token, group.get(token.id, set()), norm)
-        if not ok:
+        if not any(_convex_ok(domain, rows, bias_, token, group.get(token.id, set()), tol, typical)
+                   for domain, rows, bias_, typical in views):
             result.failed.append(token.id)
     result.failed = sorted(set(result.failed))
     return result
+
+
+def _typical_row_norm(W: np.ndarray, b: np.ndarray) -> float:
+    """The 10th-percentile norm of the distinct non-zero rows, as the acceptance rule defines it."""
+    distinct = np.unique(np.hstack([W, b[:, None]]), axis=0)[:, :-1]
+    norms = _norm(distinct, axis=1)
+    positive = np.sort(norms[norms > 0])
+    return float(positive[max(1, int(0.1 * positive.size)) - 1]) if positive.size else 0.0
+
+
+def _reduced_rows(W: np.ndarray, norm) -> np.ndarray:
+    kind, gain, _, _ = norm
+    scaled = W * gain
+    return scaled - scaled.mean(axis=1, keepdims=True) if kind == "layernorm" else scaled
 
 
 class _Unbounded:
@@ -150,31 +178,10 @@ class _Unbounded:
 _UNBOUNDED = _Unbounded()
 
 
-def _norm_convex_ok(W, b, token, group: set, norm) -> bool:
-    """Dual value sqrt(d) ||P(g * o)|| + o . beta + b_k - sum alpha_i b_i <= 0, o = w_k - sum alpha_i w_i."""
-    kind, gain, shift, _ = norm
-    k = token.id
-    idx = np.asarray(token.convex_indices, dtype=np.int64)
-    alpha = np.asarray(token.convex_weights, dtype=np.float64)
-    if idx.size == 0 or np.any(alpha < 0) or k in idx or group.intersection(idx.tolist()) or abs(alpha.sum() - 1) > 1e-12:
-        return False
-    d = W.shape[1]
-    offset = W[k] - alpha @ W[idx]
-    scaled = gain * offset
-    if kind == "layernorm":
-        scaled = scaled - scaled.mean()
-    involved = float(alpha @ np.abs(W[idx]).max(axis=1)) + float(np.abs(W[k]).max())
-    slack = 4 * _gamma(idx.size + d + 4) * involved * (math.sqrt(d) * float(np.abs(gain).max()) * math.sqrt(d)
-                                                      + float(np.abs(shift).sum())) + 8 * _ETA
-    value = (math.sqrt(d) * float(np.linalg.norm(scaled)) + float(offset @ shift) + float(b[k] - alpha @ b[idx])
-             + 2 * _gamma(idx.size + 2) * float(alpha @ np.abs(b[idx])) + slack)
-    return value <= 0
-
-
 def _inside(domain, z: np.ndarray) -> bool:
     if isinstance(domain, Ball):
         peak = float(np.abs(z).max(initial=0.0))
-        return peak == 0 or peak * float(np.linalg.norm(z / peak)) <= domain.radius
+        return peak == 0 or float(_norm(z)) <= domain.radius
     if isinstance(domain, Box):
         return bool(np.all(np.abs(z) <= domain.radius))
     return True
@@ -192,12 +199,14 @@ def _convex_ok(domain, W, b, token, group: set, tol: float, typical: float) -> b
     s = idx.size
     rows = W[idx]
     offset = W[k] - alpha @ rows
-    norms = np.linalg.norm(rows, axis=1)
-    r_k = float(np.linalg.norm(W[k]))
+    norms = _norm(rows, axis=1)
+    r_k = float(_norm(W[k]))
     involved = float(alpha @ norms)
     # rounding of the combination and of alpha's sum, added on the unfavourable side
-    slack = 2 * _gamma(s + 2) * involved + (abs(alpha.sum() - 1.0) + _gamma(s)) * r_k + 4 * (d + 4) * _ETA
-    residual = float(np.linalg.norm(offset)) * (1 + _gamma(d + 1)) + slack
+    slack = 2 * _gamma(s + 2) * involved + (abs(alpha.sum() - 1.0) + _gamma(s)) * r_k
+    if involved + r_k > 0:  # products of exact zeros cannot underflow
+        slack += 4 * (d + 4) * _ETA
+    residual = float(_norm(offset)) * (1 + _gamma(d + 1)) + slack
     gap = 0.0
     if np.any(b):
         gap = (float(b[k] - alpha @ b[idx]) + 2 * _gamma(s + 2) * float(alpha @ np.abs(b[idx]))

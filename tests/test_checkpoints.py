@@ -91,11 +91,11 @@ def test_allow_list_syntax(tmp_path):
     from auditor.gate import AllowList
 
     path = tmp_path / "allow.txt"
-    path.write_text('# comment\n12\n  <|im_end|>  # chat stop token\n"##ing"\n" 123" # quoted keeps spaces\n\n',
-                    encoding="utf-8")
+    path.write_text('# comment\n12\n  <|im_end|>  # chat stop token\n"##ing"\n" 123" # quoted keeps spaces\n'
+                    'C#\n\u0663\n\n', encoding="utf-8")
     allow = AllowList.read(path)
-    assert allow.ids == {12}
-    assert allow.strings == {"<|im_end|>", "##ing", " 123"}
+    assert allow.ids == {12}  # only ASCII digits make an id
+    assert allow.strings == {"<|im_end|>", "##ing", " 123", "C#", "\u0663"}
     assert allow.allows(12, None) and allow.allows(7, "##ing") and not allow.allows(7, "123")
 
 
@@ -308,3 +308,55 @@ def test_ceiling_flags_argmaxable_tokens_that_never_reach_p(tmp_path):
     assert low[4]["max_probability"]["upper"] < 0.5
     assert audit_cli(path, "--domain", "ball:2", "--ceiling", "0.3", "--quiet").returncode == 0
     assert "bounded" in _one_error_line(audit_cli(path, "--ceiling", "0.5"))
+
+
+def test_untied_config_without_a_head_is_refused_not_audited_as_tied(tmp_path):
+    save_file({"model.embed_tokens.weight": np.eye(3, dtype=np.float32)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    line = _one_error_line(audit_cli(tmp_path / "model-00001-of-00002.safetensors"))
+    assert "not tied" in line
+
+
+def test_bart_style_aliases_choose_the_shared_matrix_and_say_tied(tmp_path):
+    shared = np.vstack([np.eye(3), np.zeros((1, 3))]).astype(np.float32)
+    torch.save({"model.shared.weight": torch.from_numpy(shared),
+                "model.encoder.embed_tokens.weight": torch.from_numpy(shared.copy()),
+                "model.decoder.embed_tokens.weight": torch.from_numpy(shared.copy()),
+                "final_logits_bias": torch.zeros(1, 4)}, tmp_path / "pytorch_model.bin")
+    report = json.loads(audit_cli(tmp_path, "--format", "json", "--quiet").stdout)
+    assert report["head"]["weight"] == "model.shared.weight" and report["head"]["tied"] is True
+    assert report["head"]["bias"] == "final_logits_bias"
+    named = json.loads(audit_cli(tmp_path, "--weight", "model.shared.weight", "--format", "json", "--quiet").stdout)
+    assert named["head"]["tied"] is True
+
+
+def test_training_checkpoint_wrappers_are_unwrapped(tmp_path):
+    rows = torch.eye(3)
+    torch.save({"model": {"lm_head.weight": rows}, "optimizer": {"lr": 1e-3}, "scheduler": {}, "epoch": 3},
+               tmp_path / "ckpt.pt")
+    report = json.loads(audit_cli(tmp_path / "ckpt.pt", "--format", "json", "--quiet").stdout)
+    assert report["head"]["weight"] == "lm_head.weight"
+
+
+def test_npz_reads_only_the_head_array(tmp_path):
+    np.savez(tmp_path / "head.npz", **{"lm_head.weight": np.eye(3, dtype=np.float32),
+                                       "notes": np.array([{"a": 1}], dtype=object)})
+    path = (tmp_path / "head.npz").rename(tmp_path / "head.NPZ")  # the suffix in any case
+    done = audit_cli(path, "--quiet")
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_failing_second_output_leaves_neither_file(tmp_path):
+    head = tmp_path / "head.npy"
+    np.save(head, np.eye(3, dtype=np.float32))
+    certificates = tmp_path / "certs.json"
+    line = _one_error_line(audit_cli(head, "--certificates", certificates, "--output", tmp_path / "missing" / "out.md"))
+    assert "does not exist" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head.npy"]
+
+
+def test_markdown_shows_special_tokens_as_text(tmp_path):
+    from auditor.formats.markdown import _cell
+
+    assert "<s>" not in _cell("'<s>'") and "&lt;s&gt;" in _cell("'<s>'")
+    assert _cell("a*b_c") == "a\\*b\\_c"

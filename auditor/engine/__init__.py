@@ -177,7 +177,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
             bar.update(1)
     timings["lp"] = time.perf_counter() - clock
 
-    _unscale(out, factor)
+    _unscale(out, factor, head)
     _spread_to_groups(out, ids)
     out.timings = timings
     return out
@@ -193,12 +193,21 @@ def _upper_bounds_margin(head: EngineHead) -> bool:
     return head.domain.bounded or head.bias is None
 
 
-def _unscale(out: Decisions, factor: float) -> None:
+def _unscale(out: Decisions, factor: float, head: EngineHead) -> None:
     """Report margins, residuals and the centre in the units of the head as given."""
     if factor == 1.0:
         return
     out.margin /= factor
-    out.witness_scale *= factor  # the formula witness s (w_k - t c) refers to the rows as given
+    # The formula witness s (w_k - t c) refers to the rows as given, so s takes the factor. Where
+    # that leaves the normal float range, store the very point that was checked instead.
+    with np.errstate(over="ignore", under="ignore"):
+        scaled = out.witness_scale * factor
+    normal = ~np.isfinite(out.witness_scale) | (np.isfinite(scaled) & (np.abs(scaled) >= np.finfo(np.float64).tiny))
+    for k in np.nonzero(~normal)[0].tolist():
+        direction = head.weight[k] - out.witness_shift[k] * head.centre if out.witness_shift[k] else head.weight[k]
+        out.explicit_witness[k] = (direction * float(out.witness_scale[k])).cpu().numpy()
+        scaled[k] = np.nan
+    out.witness_scale = scaled
     out.centre = out.centre / factor
     for k, (indices, weights, residual, gap) in out.convex.items():
         out.convex[k] = (indices, weights, residual / factor, gap / factor)

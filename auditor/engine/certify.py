@@ -20,7 +20,7 @@ import torch
 
 from auditor.domain import Ball, Box, Domain
 from auditor.engine.head import EngineHead
-from auditor.engine.rounding import gamma, proves_positive
+from auditor.engine.rounding import gamma, proves_positive, safe_norm
 
 _COLUMN_BUDGET = 1 << 27  # float64 entries of one n x B logit block (1 GiB)
 
@@ -35,7 +35,7 @@ class WitnessCheck:
 def inside_domain(domain: Domain, witnesses: torch.Tensor) -> torch.Tensor:
     """Row-wise membership of a B x d block of witnesses."""
     if isinstance(domain, Ball):
-        return torch.linalg.vector_norm(witnesses, dim=1) <= domain.radius
+        return safe_norm(witnesses, dim=1) <= domain.radius
     if isinstance(domain, Box):
         return witnesses.abs().amax(dim=1) <= domain.radius
     return torch.ones(witnesses.shape[0], dtype=torch.bool, device=witnesses.device)
@@ -79,7 +79,7 @@ def _check_block(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor, exa
     else:
         best, runner_up = logits.max(dim=1)
         margin = own - best
-        norm_z = torch.linalg.vector_norm(witnesses, dim=1)
+        norm_z = safe_norm(witnesses, dim=1)
         own_bias = head.bias[k].abs() if head.bias is not None else 0.0
         tolerance = (head.error_factor * ((head.row_norm[k] + head.max_row_norm) * norm_z + own_bias
                                           + head.max_abs_bias) + head.underflow_floor)
@@ -132,12 +132,15 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
         combination = (dense @ head.weight) / total
     else:
         combination = (alpha @ head.weight.index_select(0, index)) / total
-    offset = (w_k - combination).cpu().numpy()
+    offset_t = w_k - combination
+    offset = offset_t.cpu().numpy()
     involved = float(alpha @ head.row_norm[index]) / total
-    error = 2 * gamma(s + 2) * involved + drift * r_k + head.underflow_floor
+    error = 2 * gamma(s + 2) * involved + drift * r_k
+    if involved + r_k > 0:  # products of exact zeros cannot underflow
+        error += head.underflow_floor
     if head.row_error is not None:  # the rows are computed from the model's; their own error counts too
         error += float(alpha @ head.row_error[index]) / total + float(head.row_error[k])
-    delta = float(np.linalg.norm(offset)) * (1 + gamma(head.d + 1)) + error
+    delta = float(safe_norm(offset_t[None, :], dim=1)[0]) * (1 + gamma(head.d + 1)) + error
 
     gap = 0.0
     if head.bias is not None:

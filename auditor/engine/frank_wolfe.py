@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from auditor.engine.head import EngineHead
-from auditor.engine.rounding import proves_positive
+from auditor.engine.rounding import proves_positive, safe_norm
 
 _ALPHA_BUDGET = 1 << 25  # float64 entries of the dense active-set block
 
@@ -94,7 +94,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
         fw_score, fw_vertex = scores.max(dim=1)
 
         # Every iterate is a candidate witness: z = M x wins if its own score beats every rival.
-        norm_z = torch.linalg.vector_norm(zs, dim=1)
+        norm_z = safe_norm(zs, dim=1)
         margin = own - fw_score
         tolerance = head.error_factor * (head.row_norm[k] + head.max_row_norm) * norm_z + head.underflow_floor
         certified = proves_positive(margin, tolerance)

@@ -106,7 +106,7 @@ class EngineHead:
 def robust_row_norms(weight: torch.Tensor) -> torch.Tensor:
     """Euclidean row norms that do not underflow: rows of tiny entries are rescaled by their peak first."""
     norms = torch.linalg.vector_norm(weight, dim=1)
-    tiny = torch.nonzero(norms < 1e-150).flatten()
+    tiny = torch.nonzero(norms < 1e-150).flatten()  # only these can have underflowed
     if tiny.numel():
         rows = weight.index_select(0, tiny)
         peak = rows.abs().amax(dim=1)

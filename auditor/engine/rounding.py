@@ -29,6 +29,15 @@ def underflow_floor(d: int) -> float:
     return 2.0 * (d + 4) * SMALLEST_SUBNORMAL
 
 
+def safe_norm(x, dim: int = -1):
+    """Euclidean norms along ``dim`` that neither underflow nor overflow (the peak is divided out first)."""
+    import torch
+
+    peak = x.abs().amax(dim=dim, keepdim=True)
+    unit = x / torch.where(peak > 0, peak, torch.ones_like(peak))
+    return peak.squeeze(dim) * torch.linalg.vector_norm(unit, dim=dim)
+
+
 def proves_positive(margin, tolerance):
     """True where a computed difference is positive even after the worst rounding.
 

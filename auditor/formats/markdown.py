@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import html
+import re
+
 from auditor.formats._common import competitors, evidence, head_lines, token_label
 from auditor.gate import GateResult
 
 
 def _cell(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("`", "\\`").replace("\n", " ")
+    """Table-cell text that renders as itself: tokens like <s> or *_* are not markup."""
+    text = html.escape(text, quote=False).replace("\n", " ")
+    return re.sub(r"([\\`*_\[\]|~#])", r"\\\1", text)
 
 
 def render(result: GateResult) -> str:

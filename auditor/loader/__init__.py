@@ -77,6 +77,8 @@ def _read_config(folder: Path) -> dict:
         data = json.loads(config.read_text())
     except (OSError, ValueError):
         return {}
+    if not isinstance(data, dict):
+        return {}
     # Multimodal configs keep the language model's settings in a sub-config.
     text = data.get("text_config")
     return {**text, **{k: v for k, v in data.items() if k == "tie_word_embeddings"}} if isinstance(text, dict) else data

@@ -58,12 +58,20 @@ def choose_head(tensors: dict[str, TensorInfo], weight: str | None, bias: str | 
             raise InputError(f"{where}: no tensor named {weight!r}; 2-D tensors: {_describe(matrices) or 'none'}")
         if len(tensors[weight].shape) != 2:
             raise InputError(f"{where}: tensor {weight!r} has shape {list(tensors[weight].shape)}, not vocabulary x hidden")
-        chosen, tied = tensors[weight], False
+        chosen = tensors[weight]
+        tied = _matches(weight, EMBEDDING_EXACT, EMBEDDING_SUFFIX) and not _matches(weight, HEAD_EXACT, HEAD_SUFFIX)
     else:
         heads = [i for i in matrices if _matches(i.name, HEAD_EXACT, HEAD_SUFFIX)]
         embeddings = [i for i in matrices if _matches(i.name, EMBEDDING_EXACT, EMBEDDING_SUFFIX)]
         if len(heads) > 1:
             raise InputError(f"{where}: more than one output head ({_describe(heads)}); choose one with --weight NAME")
+        if not heads and tie_word_embeddings is False:
+            raise InputError(f"{where}: config.json says the head is not tied to the input embedding, but no output "
+                             "head tensor is here; audit the model folder or its shard index, or name the head "
+                             "with --weight NAME")
+        shared = [i for i in embeddings if i.name in ("shared.weight", "model.shared.weight")]
+        if len(embeddings) > 1 and len(shared) == 1:
+            embeddings = shared  # T5 and BART keep the one shared matrix beside per-stack aliases of it
         if heads and tie_word_embeddings is not True:
             chosen, tied = heads[0], False
         elif heads and not embeddings:

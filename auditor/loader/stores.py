@@ -9,6 +9,7 @@ and plain containers, so a malicious file is rejected rather than executed.
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,8 @@ def _read_index(index: Path) -> dict[str, str]:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise InputError(f"{index}: not a readable shard index ({_first_line(error)})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise InputError(f"{index}: its weight_map must map tensor names to shard files")
     missing = sorted({shard for shard in weight_map.values() if not (index.parent / shard).is_file()})
     if missing:
         raise InputError(f"{index}: shard {missing[0]} is missing from {index.parent}")
@@ -143,34 +146,66 @@ def _torch_state_dict(path: Path) -> dict:
                          f"({_first_line(error)})") from None
     except (RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile) as error:
         raise InputError(f"{path}: not a readable PyTorch checkpoint ({_first_line(error)})") from None
+    # Training checkpoints wrap the weights beside optimizer state, epochs and the like.
     for key in ("state_dict", "model", "module"):
-        if isinstance(obj, dict) and isinstance(obj.get(key), dict) and len(obj) <= 3:
-            obj = obj[key]
+        inner = obj.get(key) if isinstance(obj, dict) else None
+        if isinstance(inner, dict) and any(isinstance(t, torch.Tensor) for t in inner.values()):
+            obj = inner
+            break
     if not isinstance(obj, dict):
         raise InputError(f"{path}: expected a state dict of tensors, found a {type(obj).__name__}")
-    return {name: t for name, t in obj.items() if isinstance(t, torch.Tensor)}
+    tensors = {name: t for name, t in obj.items() if isinstance(t, torch.Tensor)}
+    if not tensors:
+        keys = ", ".join(map(str, list(obj)[:8]))
+        raise InputError(f"{path}: no tensors at the top level (keys: {keys}); is the state dict nested elsewhere?")
+    return tensors
 
 
 class NumpyStore:
-    """.npy (one array, called 'weight') or .npz (arrays by name), never unpickled."""
+    """.npy (one array, called 'weight') or .npz (arrays by name, read one at a time), never unpickled."""
 
     format = "numpy"
 
     def __init__(self, path: Path):
+        self._path = path
+        self._npz = path.suffix.lower() == ".npz"
         try:
-            if path.suffix == ".npy":
-                self._arrays = {"weight": np.load(path, mmap_mode="r", allow_pickle=False)}
+            if not self._npz:
+                array = np.load(path, mmap_mode="r", allow_pickle=False)
+                self._info = {"weight": TensorInfo("weight", tuple(array.shape), str(array.dtype))}
+                self._array = array
             else:
-                archive = np.load(path, allow_pickle=False)
-                self._arrays = {name: archive[name] for name in archive.files}
-        except (OSError, ValueError, EOFError) as error:
+                self._info = _npz_headers(path)
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
             raise InputError(f"{path}: not a readable numpy file ({_first_line(error)})") from None
 
     def tensors(self) -> dict[str, TensorInfo]:
-        return {name: TensorInfo(name, tuple(a.shape), str(a.dtype)) for name, a in self._arrays.items()}
+        return self._info
 
     def get(self, name: str):
-        return self._arrays[name]
+        if not self._npz:
+            return self._array
+        try:
+            with np.load(self._path, allow_pickle=False) as archive:
+                return archive[name]
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+            raise InputError(f"{self._path}: cannot read array {name!r} ({_first_line(error)})") from None
+
+
+def _npz_headers(path: Path) -> dict[str, TensorInfo]:
+    """Names, shapes and dtypes of an .npz archive's arrays, from their headers alone."""
+    infos = {}
+    with zipfile.ZipFile(path) as archive:
+        for member in archive.namelist():
+            if not member.endswith(".npy"):
+                continue
+            with archive.open(member) as stream:
+                major, _ = np.lib.format.read_magic(stream)
+                read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read_header(stream)
+            name = member[:-4]
+            infos[name] = TensorInfo(name, tuple(shape), str(dtype))
+    return infos
 
 
 class GGUFStore:
