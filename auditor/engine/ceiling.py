@@ -24,6 +24,7 @@ import torch
 from auditor.domain import Ball, Box, Domain
 
 _BLOCK_BUDGET = 1 << 25  # float64 entries per token x vocabulary block
+_PAD = 1e-9  # added to every upper bound: far beyond the float64 rounding of a log-sum-exp
 
 
 @dataclass
@@ -91,7 +92,7 @@ def _solve_batch(weight, bias, k, z, domain, gap, iterations):
     dual = value - (gradient * z).sum(dim=1) - _support(domain, -gradient)  # min_D F >= dual
     best_dual = dual.clone()
     step = torch.full_like(value, 1.0 / max(float(torch.linalg.vector_norm(weight, dim=1).max()) ** 2, 1e-300))
-    active = _probability(best_dual) - _probability(best_value) > gap
+    active = _probability(best_dual) + _PAD - _probability(best_value) > gap
     for _ in range(iterations):
         if not bool(active.any()):
             break
@@ -115,8 +116,7 @@ def _solve_batch(weight, bias, k, z, domain, gap, iterations):
         z[idx[worse]] = best_z[idx[worse]]
         if bool(worse.any()):
             _, gradient[idx[worse]] = _objective(weight, bias, k[idx[worse]], best_z[idx[worse]])
-        active = _probability(best_dual) - _probability(best_value) > gap
+        active = _probability(best_dual) + _PAD - _probability(best_value) > gap
     lower = _probability(best_value)
-    # the bound is about exact arithmetic; pad it far beyond float64 rounding of the log-sum-exp
-    upper = torch.clamp(_probability(best_dual) + 1e-9, max=1.0)
+    upper = torch.clamp(_probability(best_dual) + _PAD, max=1.0)
     return lower.cpu().numpy(), upper.cpu().numpy(), best_z.cpu().numpy()
