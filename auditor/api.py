@@ -71,7 +71,8 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
         decisions = decide(reduced.weight, reduced.bias, ids, Ball(reduced.radius), options, progress,
                            reduced.row_error, reduced.bias_error)
         if probability_ceiling:
-            _ceilings(decisions, reduced.weight, reduced.bias, ids, Ball(reduced.radius), progress)
+            _ceilings(decisions, reduced.weight, reduced.bias, ids, Ball(reduced.radius), progress,
+                      float(reduced.row_error.max()), float(reduced.bias_error.max()))
         del reduced
     else:
         decisions = decide(w64, b64, ids, parsed_domain, options, progress)
@@ -84,14 +85,15 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     if norm_map is not None:
         clock = time.perf_counter()
         _confirm_norm_witnesses(report, w64, b64)
-        _hull_fallback(report, w64, b64, options)
+        _confirm_norm_ties(report, w64, b64, final_norm)
+        _hull_fallback(report, w64, b64, options, norm_map.reach)
         timings["norm_check"] = time.perf_counter() - clock
     timings["total"] = time.perf_counter() - started
     return report
 
 
 def _ceilings(decisions, weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, domain,
-              progress: bool) -> None:
+              progress: bool, row_error: float = 0.0, bias_error: float = 0.0) -> None:
     """Probability ceilings for the requested tokens, started from each token's own row."""
     from tqdm import tqdm
 
@@ -100,39 +102,85 @@ def _ceilings(decisions, weight: torch.Tensor, bias: torch.Tensor | None, ids: n
     clock = time.perf_counter()
     start = weight[torch.as_tensor(ids, device=weight.device)].clone()
     with tqdm(total=len(ids), desc="ceilings", file=sys.stderr, disable=not progress, leave=False, unit="tok") as bar:
-        found = probability_ceilings(weight, bias, ids, domain, start, progress=bar)
+        found = probability_ceilings(weight, bias, ids, domain, start, progress=bar, row_error=row_error,
+                                     bias_error=bias_error)
     for j, k in enumerate(ids.tolist()):
         decisions.ceiling[k] = (float(found.lower[j]), float(found.upper[j]), found.point[j])
     decisions.timings["ceilings"] = time.perf_counter() - clock
 
 
+def _confirm_norm_ties(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor | None,
+                       norm: FinalNorm) -> None:
+    """Norm domain: a tie found on the rounded reduced head must hold exactly.
+
+    Rows i and j have equal logits for every output of the norm iff g * (w_i - w_j)
+    is a multiple of the all-ones vector (zero for RMSNorm) and
+    (w_i - w_j) . beta + b_i - b_j = 0. Checked in rational arithmetic; a group
+    that fails is inconclusive rather than falsely tied.
+    """
+    from fractions import Fraction
+
+    d = report._d
+    tied = [k for k in range(report.n_tokens) if d.verdict[k] == TIED and k != d.representative[k]]
+    if not tied:
+        return
+    m = report._norm_map
+    gain = [Fraction(float(v)) for v in m.gain]
+    shift = [Fraction(float(v)) for v in m.shift]
+    rows = weight.cpu().numpy()
+    offsets = bias.cpu().numpy() if bias is not None else np.zeros(rows.shape[0])
+    for k in tied:
+        r = int(d.representative[k])
+        if d.verdict[k] != TIED:
+            continue  # its group was already found not to be a tie
+        diff = [Fraction(float(a)) - Fraction(float(b)) for a, b in zip(rows[k], rows[r])]
+        scaled = [g * x for g, x in zip(gain, diff)]
+        flat = all(v == scaled[0] for v in scaled) if norm.kind == "layernorm" else all(v == 0 for v in scaled)
+        level = sum(x * s for x, s in zip(diff, shift)) + Fraction(float(offsets[k])) - Fraction(float(offsets[r]))
+        if not (flat and level == 0):  # not a tie after all: the whole group is left undecided between them
+            for member in np.nonzero(d.representative == r)[0].tolist():
+                if d.verdict[member] == TIED:
+                    d.verdict[member] = INCONCLUSIVE
+                    d.group_verdict.pop(member, None)
+                    d.explicit_witness.pop(member, None)
+                    d.convex.pop(member, None)
+                    d.witness_scale[member] = np.nan
+                    d.bounds[member] = (-np.inf, np.inf)
+
+
 def _hull_fallback(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor | None,
-                   options: EngineOptions) -> None:
+                   options: EngineOptions, reach: float) -> None:
     """Norm domain: settle what is left with the unbounded question on the head as given.
 
     A token that cannot win anywhere in R^d cannot win on the norm's outputs
     either. This catches rows inside the hull whose reduced-space certificate
     could not show a non-positive bias gap: the norm's shift beta turns every
     row's w_i . beta into a bias, and a residual along the all-ones direction
-    (invisible to LayerNorm) gives that bias gap an arbitrary sign.
+    (invisible to LayerNorm) gives that bias gap an arbitrary sign. Such a
+    certificate bounds the margin by residual * ||z||, and the norm's outputs
+    reach ||z|| <= ``reach``: it is accepted only when that product is within the
+    tolerance a unit z gets. Tied tokens are left alone: in R^d their tie-mates
+    are distinct rows, and one member must not be certified by another.
     """
     d = report._d
-    left = np.nonzero((d.verdict == INCONCLUSIVE) | np.array(
-        [d.verdict[k] == TIED and d.group_verdict.get(k) == INCONCLUSIVE for k in range(report.n_tokens)]))[0]
+    left = np.nonzero(d.verdict == INCONCLUSIVE)[0]
     if left.size == 0:
         return
     from auditor.domain import Unbounded
 
     plain = decide(weight, bias, left, Unbounded(), options, progress=False)
+    typical = plain.tolerances["typical_row_norm"]
     for k in left.tolist():
-        if k in plain.convex and (plain.verdict[k] == UNARGMAXABLE or plain.group_verdict.get(k) == UNARGMAXABLE):
-            d.convex[k] = plain.convex[k]
-            d.bounds.pop(k, None)
-            d.stage[k] = STAGES.index("unbounded hull")
-            if d.verdict[k] == TIED:
-                d.group_verdict[k] = UNARGMAXABLE
-            else:
-                d.verdict[k] = UNARGMAXABLE
+        if plain.verdict[k] != UNARGMAXABLE or k not in plain.convex:
+            continue
+        indices, weights, residual, gap = plain.convex[k]
+        row_norm = float(torch.linalg.vector_norm(weight[k]))
+        if residual * max(reach, 1.0) > d.tolerances["residual_tol"] * max(row_norm, typical):
+            continue
+        d.convex[k] = plain.convex[k]
+        d.bounds.pop(k, None)
+        d.stage[k] = STAGES.index("unbounded hull")
+        d.verdict[k] = UNARGMAXABLE
 
 
 def _confirm_norm_witnesses(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -140,11 +188,11 @@ def _confirm_norm_witnesses(report: AuditReport, weight: torch.Tensor, bias: tor
 
     The engine proved the reduced head's witness; this proves what the model would
     do with the pre-norm vector. A witness that fails here (a margin lost to the
-    rounding of the norm itself) leaves its token inconclusive, with its margin.
+    rounding of the norm itself) is dropped: its token (or tie group) becomes
+    inconclusive, with the margin found.
     """
     d = report._d
-    ids = np.array([k for k in range(report.n_tokens) if report._engine_witness(k) is not None
-                    and (d.verdict[k] != TIED or k == d.representative[k])], dtype=np.int64)
+    ids = np.array([k for k in range(report.n_tokens) if report._engine_witness(k) is not None], dtype=np.int64)
     if ids.size == 0:
         return
     from auditor.domain import Unbounded
@@ -160,16 +208,13 @@ def _confirm_norm_witnesses(report: AuditReport, weight: torch.Tensor, bias: tor
                                     exact_bound=True)
             check.certified[failed], check.margin[failed] = again.certified, again.margin
         for j, k in enumerate(part.tolist()):
-            group = [k] + [i for i in np.nonzero(d.representative == k)[0].tolist() if i != k]
-            for member in group:
-                if d.verdict[member] == 0:
-                    continue
-                d.margin[member] = check.margin[j]
-                if not check.certified[j]:
-                    if d.verdict[member] == TIED:
-                        d.group_verdict[member] = INCONCLUSIVE
-                    else:
-                        d.verdict[member] = INCONCLUSIVE
-                        d.bounds[member] = (float(check.margin[j]), np.inf)
-                        d.explicit_witness.pop(member, None)
-                        d.witness_scale[member] = np.nan
+            d.margin[k] = check.margin[j]
+            if check.certified[j]:
+                continue
+            d.explicit_witness.pop(k, None)
+            d.witness_scale[k] = np.nan
+            d.bounds[k] = (float(check.margin[j]), np.inf)
+            if d.verdict[k] == TIED:
+                d.group_verdict[k] = INCONCLUSIVE
+            else:
+                d.verdict[k] = INCONCLUSIVE

@@ -127,6 +127,8 @@ class NormMap:
         self.gain = reduced.gain.cpu().numpy()
         self.shift = reduced.shift.cpu().numpy()
         self.reduced_rows = reduced.weight.cpu()  # the rows the engine's witness formula refers to
+        # the largest norm of an output: ||g * u + beta|| <= max|g| sqrt(d) + ||beta||
+        self.reach = float(np.abs(self.gain).max()) * reduced.radius + float(np.linalg.norm(self.shift))
 
     def row(self, k: int) -> np.ndarray:
         return self.reduced_rows[k].numpy()

@@ -196,7 +196,7 @@ class AuditReport:
             if token.witness is not None:
                 entry["margin"] = _finite_or_none(token.margin)
                 entry["runner_up"] = token.runner_up
-                if self._norm_map is not None and k in d.explicit_witness:
+                if self._norm_map is not None:
                     entry["pre_norm"] = [float(v) for v in token.pre_norm]  # the witness is its normalisation
                 elif k in d.explicit_witness:
                     entry["witness"] = [float(v) for v in token.witness]

@@ -102,9 +102,9 @@ def verify(report: AuditReport, weight, bias=None, final_norm=None, chunk: int =
     result = Verification()
     tokens = [report.tokens[k] for k in range(n)]
     group = {t.id: set(t.tied_with) for t in tokens if t.tied_with}
-    for k, others in group.items():  # a tie is itself a claim: the rows (and biases) must be equal
+    for k, others in group.items():  # a tie is itself a claim: equal logits wherever the domain reaches
         result.checked += 1
-        if norm is None and not all(np.array_equal(W[k], W[j]) and b[k] == b[j] for j in others):
+        if not all(_tied(W, b, k, j, norm) for j in others):
             result.failed.append(k)
 
     for token in tokens:  # every decided verdict must carry the certificate it claims
@@ -155,6 +155,22 @@ def verify(report: AuditReport, weight, bias=None, final_norm=None, chunk: int =
             result.failed.append(token.id)
     result.failed = sorted(set(result.failed))
     return result
+
+
+def _tied(W: np.ndarray, b: np.ndarray, k: int, j: int, norm) -> bool:
+    """Rows k and j have equal logits everywhere: identical rows, or (norm domain) equal after the norm, exactly."""
+    if np.array_equal(W[k], W[j]) and b[k] == b[j]:
+        return True
+    if norm is None:
+        return False
+    from fractions import Fraction
+
+    kind, gain, shift, _ = norm
+    diff = [Fraction(float(x)) - Fraction(float(y)) for x, y in zip(W[k], W[j])]
+    scaled = [Fraction(float(g)) * x for g, x in zip(gain, diff)]
+    flat = all(v == scaled[0] for v in scaled) if kind == "layernorm" else all(v == 0 for v in scaled)
+    level = sum(x * Fraction(float(s)) for x, s in zip(diff, shift)) + Fraction(float(b[k])) - Fraction(float(b[j]))
+    return flat and level == 0
 
 
 def _typical_row_norm(W: np.ndarray, b: np.ndarray) -> float:
@@ -208,7 +224,7 @@ def _convex_ok(domain, W, b, token, group: set, tol: float, typical: float) -> b
         slack += 4 * (d + 4) * _ETA
     residual = float(_norm(offset)) * (1 + _gamma(d + 1)) + slack
     gap = 0.0
-    if np.any(b):
+    if b[k] != 0 or np.any(b[idx]):  # as the engine: products of zero biases cannot underflow
         gap = (float(b[k] - alpha @ b[idx]) + 2 * _gamma(s + 2) * float(alpha @ np.abs(b[idx]))
                + (abs(alpha.sum() - 1.0) + _gamma(s)) * abs(float(b[k])) + 4 * _ETA)
     hull = residual <= tol * max(r_k, typical) and gap <= 0

@@ -68,3 +68,18 @@ def test_ceilings_in_the_norm_domain_match_cvxpy_over_the_normalised_ball(rng, k
 def test_ceilings_need_a_bounded_domain():
     with pytest.raises(auditor.InputError, match="bounded"):
         auditor.audit(np.eye(3), probability_ceiling=True, progress=False)
+
+
+def test_anisotropic_heads_still_get_bounds_within_the_gap(rng):
+    W = rng.normal(size=(100, 4)) * np.array([10, 1, 0.3, 0.05])
+    b = 0.5 * rng.normal(size=100)
+    report = auditor.audit(W, b, domain="ball:2", probability_ceiling=True, progress=False)
+    for token in report.tokens:
+        lower, upper = token.probability_bounds
+        assert upper - lower <= 1e-4
+        assert np.linalg.norm(token.probability_point) <= 2.0
+
+
+def test_a_single_row_reaches_probability_one():
+    token = auditor.audit(np.ones((1, 3)), domain="ball:1", probability_ceiling=True, progress=False).tokens[0]
+    assert token.probability_bounds == (1.0, 1.0)

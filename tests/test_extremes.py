@@ -100,3 +100,12 @@ def test_rows_a_hair_outside_the_hull_are_proved_argmaxable(rng, depth):
 def test_meaningless_options_are_refused(bad):
     with pytest.raises(auditor.InputError):
         auditor.audit(np.eye(3), progress=False, **bad)
+
+
+@pytest.mark.parametrize("domain", ["unbounded", "ball:1", "box:1"])
+def test_verify_accepts_a_zero_bias_gap_the_engine_accepted(domain):
+    W = np.array([[1.0, 0], [-1, 0], [0, 0], [0, 1]])
+    b = np.array([0, 0, 0, -5.0])
+    report = auditor.audit(W, b, domain=domain, progress=False)
+    assert report.tokens[2].verdict == "unargmaxable"
+    assert auditor.verify(report, W, b).ok

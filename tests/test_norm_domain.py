@@ -99,3 +99,26 @@ def test_real_vocabulary_with_a_synthetic_layernorm(vocabulary):
     assert report.ids("unargmaxable") == [30522, 30523, 30524]
     assert report.counts["argmaxable"] == 30522
     assert auditor.verify(report, head, final_norm=norm).ok
+
+
+def test_rows_equal_only_after_rounding_are_not_reported_tied():
+    a = np.array([1, 1e-10, 0], dtype=np.float32)
+    b = a.copy()
+    b[1] = np.nextafter(b[1], np.float32(1))
+    W = np.vstack([a, b, [-1, 0, 0]]).astype(np.float32)
+    norm = auditor.FinalNorm("layernorm", eps=1e-5)
+    report = auditor.audit(W, domain="norm", final_norm=norm, progress=False)
+    for k in (0, 1):
+        assert report.tokens[k].verdict != "tied" or report.tokens[k].group_verdict == "inconclusive"
+    assert auditor.verify(report, W, final_norm=norm).ok
+
+
+def test_norm_domain_json_gives_every_witness_as_a_pre_norm_vector(rng):
+    W = rng.standard_normal((30, 3))
+    norm = auditor.FinalNorm("rmsnorm", weight=rng.uniform(0.5, 1.5, 3), eps=1e-6)
+    report = auditor.audit(W, domain="norm", final_norm=norm, progress=False)
+    for entry in report.to_dict()["tokens"]:
+        if entry["verdict"] == "argmaxable":
+            assert "pre_norm" in entry and "witness" not in entry
+            z = normalise(np.array(entry["pre_norm"]), "rmsnorm", norm.weight, 0.0, norm.eps)
+            assert witness_wins(W, None, entry["id"], z)
