@@ -41,10 +41,8 @@ class FrankWolfeOutcome:
     witness: np.ndarray | None = None
     margin: float = -np.inf  # best computed unit-ball margin of any iterate
     runner_up: int = -1
-    distance_bound: float = np.inf  # ||x|| of the last iterate: the hull is at most this far
     support: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     support_weights: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    direction: np.ndarray | None = None
 
 
 def _rival_scores(head: EngineHead, directions: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +130,5 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
         if outcome.certified:
             continue
         outcome.margin = float(best_margin[slot])
-        outcome.distance_bound = float(torch.linalg.vector_norm(x[slot]))
         outcome.support = torch.nonzero(alpha[slot] > 0).flatten().cpu().numpy()
         outcome.support_weights = alpha[slot, outcome.support].cpu().numpy()
-        outcome.direction = x[slot].cpu().numpy().copy()

@@ -43,7 +43,6 @@ class LpOutcome:
     weights: np.ndarray | None = None
     residual: float = math.inf
     bias_gap: float = math.inf
-    rounds: int = 0
 
 
 def _solve(head: EngineHead, k: int, rivals: np.ndarray):
@@ -195,8 +194,7 @@ def lp_decide(head: EngineHead, k: int, seed_rivals: np.ndarray, max_rounds: int
     if rivals.size == 0:
         rivals = _top_rivals(head, k, head.rows([k])[0] - head.centre.cpu().numpy(), set(), add)
     w_k = head.rows([k])[0]
-    for round_ in range(1, max_rounds + 1):
-        outcome.rounds = round_
+    for _ in range(max_rounds):
         solved = _solve(head, k, rivals)
         if solved is None:
             break
