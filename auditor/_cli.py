@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     for target in (args.output, args.certificates):
         if target is not None:
             check_writable(target)
-    auditor.parse_domain(args.domain)  # a typo should not cost a checkpoint load
+    domain = auditor.parse_domain(args.domain)  # a typo should not cost a checkpoint load
     fail_on = parse_fail_on(args.fail_on)
     allow = AllowList.read(args.allow) if args.allow else None
     started = time.perf_counter()
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     load_seconds = time.perf_counter() - started
     tokens = parse_token_ids(args.tokens, head.shape[0]) if args.tokens else None
     final_norm = None
-    if auditor.parse_domain(args.domain) == auditor.Norm():
+    if domain == auditor.Norm():
         if head.final_norm is None:
             raise InputError(f"{args.path}: --domain norm needs the final norm, but no known final-norm tensor "
                              "was found (model.norm.weight, transformer.ln_f.weight, output_norm.weight, ...)")
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             final_norm.unit_offset = True
     if args.ceiling is not None and not 0 < args.ceiling <= 1:
         raise InputError(f"--ceiling takes a probability in (0, 1], got {args.ceiling}")
-    report = auditor.audit(head.weight, head.bias, domain=args.domain, device=args.device, tokens=tokens,
+    report = auditor.audit(head.weight, head.bias, domain=domain, device=args.device, tokens=tokens,
                            progress=progress, final_norm=final_norm, probability_ceiling=args.ceiling is not None)
     result = run_gate(head, report, fail_on, allow, load_seconds, args.ceiling)
     rendered = FORMATS[args.format](result)

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from auditor.domain import Ball, Box, Domain
-from auditor.engine.rounding import gamma
+from auditor.engine.head import robust_row_norms
+from auditor.engine.rounding import gamma, safe_norm
 
 _BLOCK_BUDGET = 1 << 25  # float64 entries per token x vocabulary block
 
@@ -114,14 +115,14 @@ class _Scale:
     def __init__(self, weight, bias, row_error, bias_error):
         d = weight.shape[1]
         self.factor = 2.0 * gamma(d + 4)
-        self.norms = torch.linalg.vector_norm(weight, dim=1)
+        self.norms = robust_row_norms(weight)  # an underflowed norm would shrink the bound
         self.max_norm = float(self.norms.max())
         self.max_bias = float(bias.abs().max()) if bias is not None else 0.0
         self.row_error = row_error
         self.bias_error = bias_error
 
     def error(self, k: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        size = torch.linalg.vector_norm(z, dim=1)
+        size = safe_norm(z, dim=1)
         spread = (self.norms[k] + self.max_norm) * size + 2 * self.max_bias
         return self.factor * spread + 2 * (self.row_error * size + self.bias_error) + 1e-14
 

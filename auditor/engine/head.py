@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from auditor.domain import Domain
-from auditor.engine.rounding import logit_error_factor, underflow_floor
+from auditor.engine.rounding import logit_error_factor, safe_norm, underflow_floor
 
 
 @dataclass
@@ -104,14 +104,11 @@ class EngineHead:
 
 
 def robust_row_norms(weight: torch.Tensor) -> torch.Tensor:
-    """Euclidean row norms that do not underflow: rows of tiny entries are rescaled by their peak first."""
+    """Euclidean row norms that do not underflow, without a rescaled copy of the whole head."""
     norms = torch.linalg.vector_norm(weight, dim=1)
     tiny = torch.nonzero(norms < 1e-150).flatten()  # only these can have underflowed
     if tiny.numel():
-        rows = weight.index_select(0, tiny)
-        peak = rows.abs().amax(dim=1)
-        safe = torch.where(peak > 0, peak, torch.ones_like(peak))
-        norms[tiny] = peak * torch.linalg.vector_norm(rows / safe[:, None], dim=1)
+        norms[tiny] = safe_norm(weight.index_select(0, tiny), dim=1)
     return norms
 
 
