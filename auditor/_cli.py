@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also compute each token's largest reachable probability (bounded domains) and report "
                              "argmaxable tokens that can never reach P as low-ceiling findings")
     parser.add_argument("--tokens", metavar="IDS", help="decide only these ids, e.g. 0-99,50256,128000- (the rest are undecided)")
+    parser.add_argument("--shard", metavar="I/N",
+                        help="decide only the I-th of N equal contiguous parts of the vocabulary (1 <= I <= N); "
+                             "merge the shards' JSON reports with audit-merge")
     parser.add_argument("--format", choices=sorted(FORMATS), default="text", help="report format (default: text)")
     parser.add_argument("--output", type=Path, metavar="FILE", help="write the report to FILE (atomically) instead of stdout")
     parser.add_argument("--fail-on", default="unargmaxable,tied,inconclusive,low-ceiling", metavar="VERDICTS",
@@ -75,6 +78,18 @@ def parse_token_ids(text: str, n: int) -> list[int]:
     if not ids:
         raise InputError("--tokens: no token ids given")
     return ids
+
+
+def parse_shard(text: str, n: int) -> tuple[int, int, range]:
+    """``"2/4"`` -> (2, 4, the ids of the second quarter of 0..n-1)."""
+    index, slash, count = text.partition("/")
+    try:
+        i, total = int(index), int(count)
+    except ValueError:
+        raise InputError(f"--shard takes I/N, such as 2/4, got {text!r}") from None
+    if not slash or total < 1 or not 1 <= i <= total:
+        raise InputError(f"--shard {text}: I must be between 1 and N")
+    return i, total, range((i - 1) * n // total, i * n // total)
 
 
 def check_writable(path: Path) -> None:
@@ -140,6 +155,13 @@ def run(args: argparse.Namespace) -> int:
     head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress)
     load_seconds = time.perf_counter() - started
     tokens = parse_token_ids(args.tokens, head.shape[0]) if args.tokens else None
+    shard = None
+    if args.shard:
+        index, count, part = parse_shard(args.shard, head.shape[0])
+        tokens = [k for k in tokens if k in part] if tokens is not None else list(part)
+        shard = {"index": index, "count": count, "first": part.start, "stop": part.stop}
+        if not tokens:
+            raise InputError(f"--shard {args.shard}: no tokens to decide in ids {part.start}..{part.stop - 1}")
     final_norm = None
     if domain == auditor.Norm():
         if head.final_norm is None:
@@ -153,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     report = auditor.audit(head.weight, head.bias, domain=domain, device=args.device, tokens=tokens,
                            progress=progress, final_norm=final_norm, probability_ceiling=args.ceiling is not None)
     result = run_gate(head, report, fail_on, allow, load_seconds, args.ceiling)
+    result.shard = shard
     rendered = FORMATS[args.format](result)
     files: dict[Path, str] = {}
     if args.certificates:

@@ -1,8 +1,8 @@
-"""Checks user input and turns it into float64 torch tensors on one device.
+"""Checks user input and puts it on one device, without copying the head where it can be avoided.
 
-Every float16, bfloat16 and float32 value is exactly a float64 value, so the
-conversion loses nothing and every later certificate is about the very
-weights the user gave.
+Every float16, bfloat16 and float32 value is exactly a float64 (and a float32)
+value, so the engine's conversions lose nothing and every later certificate is
+about the very weights the user gave.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _as_tensor(array, what: str) -> torch.Tensor:
         if any(step < 0 for step in arr.strides):
             arr = np.ascontiguousarray(arr)
         with warnings.catch_warnings():
-            # memory-mapped arrays are read-only; the engine never writes to them (it copies to float64)
+            # memory-mapped arrays are read-only; the engine never writes to the head
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             return torch.from_numpy(arr)
     raise InputError(f"{what} must be a numpy array or a torch tensor, got {type(array).__name__}")
@@ -67,7 +67,7 @@ def _first_bad_rows(finite_rows: torch.Tensor, limit: int = 5) -> str:
 
 
 def prepare_inputs(weight, bias, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, str]:
-    """Validate the head and return (weight, bias) as float64 on ``device``.
+    """Validate the head and return (weight in its own dtype, bias as float64) on ``device``.
 
     Returns the source dtype's name as the third value. Raises InputError for
     wrong shapes, dtypes, empty heads and NaN or Inf entries (naming rows).
@@ -79,8 +79,8 @@ def prepare_inputs(weight, bias, device: torch.device) -> tuple[torch.Tensor, to
     if n == 0 or d == 0:
         raise InputError(f"the weight is empty (shape {n} x {d}); there is nothing to audit")
     source_dtype = str(w.dtype).replace("torch.", "")
-    w64 = w.to(device=device, dtype=torch.float64)
-    finite = torch.isfinite(w64).all(dim=1)
+    w = w.to(device=device)  # no copy when it is already there; the engine picks its own precision
+    finite = torch.cat([torch.isfinite(w[s:s + 8192]).all(dim=1) for s in range(0, n, 8192)])
     if not bool(finite.all()):
         raise InputError(f"the weight has NaN or Inf entries in rows {_first_bad_rows(finite)}")
 
@@ -93,7 +93,7 @@ def prepare_inputs(weight, bias, device: torch.device) -> tuple[torch.Tensor, to
         finite_b = torch.isfinite(b64)
         if not bool(finite_b.all()):
             raise InputError(f"the bias has NaN or Inf entries at rows {_first_bad_rows(finite_b)}")
-    return w64, b64, source_dtype
+    return w, b64, source_dtype
 
 
 def prepare_vector(vector, length: int, what: str, device: torch.device) -> torch.Tensor:
@@ -124,10 +124,11 @@ def prepare_token_ids(tokens: Iterable[int] | None, n: int) -> np.ndarray:
     return ids
 
 
-def check_options(residual_tol: float, frank_wolfe_iterations: int, lp_rounds: int) -> None:
+def check_options(residual_tol: float, frank_wolfe_iterations: int, lp_rounds: int, newton_iterations: int = 40) -> None:
     """Refuse engine settings that would make verdicts meaningless or the run endless."""
     if not (isinstance(residual_tol, (int, float)) and 0 < residual_tol <= 1e-6):
         raise InputError(f"residual_tol must be in (0, 1e-6], got {residual_tol!r}")
-    for name, value in (("frank_wolfe_iterations", frank_wolfe_iterations), ("lp_rounds", lp_rounds)):
+    for name, value in (("frank_wolfe_iterations", frank_wolfe_iterations), ("lp_rounds", lp_rounds),
+                        ("newton_iterations", newton_iterations)):
         if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1_000_000):
             raise InputError(f"{name} must be a non-negative integer, got {value!r}")

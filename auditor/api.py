@@ -32,7 +32,7 @@ def _row_reader(weight):
 def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str = "auto",
           tokens: Iterable[int] | None = None, progress: bool = True, final_norm: FinalNorm | None = None,
           probability_ceiling: bool = False, residual_tol: float = 1e-10, frank_wolfe_iterations: int = 100,
-          lp_rounds: int = 30) -> AuditReport:
+          lp_rounds: int = 30, newton_iterations: int = 40) -> AuditReport:
     """Decide which tokens of a head can be the strict argmax of its logits ``W z + b``.
 
     ``weight`` is an n x d numpy array or torch tensor (float16, bfloat16, float32
@@ -45,27 +45,31 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     sets ``tokens[k].max_probability``, the largest softmax probability token k
     reaches in the domain, to within 1e-4, with ``probability_bounds`` and the
     point that attains the lower bound. ``residual_tol`` is the relative
-    residual an unargmaxable certificate may rest on (see docs/method.md).
+    residual an unargmaxable certificate may rest on (see docs/method.md);
+    ``frank_wolfe_iterations``, ``newton_iterations`` and ``lp_rounds`` bound
+    the work of those stages (0 skips one).
 
     Returns an AuditReport. Raises auditor.InputError for bad input (NaN or Inf
     weights, wrong shapes or dtypes, an empty head, an unknown domain or device)
     before deciding anything.
     """
     started = time.perf_counter()
-    check_options(residual_tol, frank_wolfe_iterations, lp_rounds)
+    check_options(residual_tol, frank_wolfe_iterations, lp_rounds, newton_iterations)
     parsed_domain = parse_domain(domain)
     if probability_ceiling and not parsed_domain.bounded:
         raise InputError("probability ceilings need a bounded domain (ball:R, box:R or norm): in the unbounded "
                          "domain every argmaxable token's probability comes arbitrarily close to 1")
     chosen = resolve_device(device)
-    w64, b64, dtype = prepare_inputs(weight, bias, chosen)
-    ids = prepare_token_ids(tokens, w64.shape[0])
+    w, b64, dtype = prepare_inputs(weight, bias, chosen)
+    ids = prepare_token_ids(tokens, w.shape[0])
     options = EngineOptions(frank_wolfe_iterations=frank_wolfe_iterations, lp_rounds=lp_rounds,
+                            newton_iterations=newton_iterations,
                             residual_tol=residual_tol)
     norm_map = None
     if isinstance(parsed_domain, Norm):
         if final_norm is None:
             raise InputError("domain 'norm' needs final_norm=auditor.FinalNorm(kind, weight=..., bias=..., eps=...)")
+        w64 = w.to(torch.float64)  # the reduced head is computed, hence float64, in any case
         reduced = reduce_head(w64, b64, final_norm)
         norm_map = NormMap(final_norm, reduced)
         decisions = decide(reduced.weight, reduced.bias, ids, Ball(reduced.radius), options, progress,
@@ -75,11 +79,11 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
                       float(reduced.row_error.max()), float(reduced.bias_error.max()))
         del reduced
     else:
-        decisions = decide(w64, b64, ids, parsed_domain, options, progress)
+        decisions = decide(w, b64, ids, parsed_domain, options, progress)
         if probability_ceiling:
-            _ceilings(decisions, w64, b64, ids, parsed_domain, progress)
+            _ceilings(decisions, w.to(torch.float64), b64, ids, parsed_domain, progress)
     timings = dict(decisions.timings)
-    report = AuditReport(decisions, _row_reader(weight), n_tokens=w64.shape[0], hidden_size=w64.shape[1],
+    report = AuditReport(decisions, _row_reader(weight), n_tokens=w.shape[0], hidden_size=w.shape[1],
                          dtype=dtype, has_bias=b64 is not None, domain=parsed_domain, device=str(chosen),
                          timings=timings, norm_map=norm_map)
     if norm_map is not None:

@@ -97,6 +97,7 @@ class GateResult:
     fail_on: frozenset[str]
     load_seconds: float = 0.0
     ceiling: float | None = None
+    shard: dict | None = None  # {"index", "count", "first", "stop"} when the command ran one shard
 
     @property
     def failing(self) -> list[Finding]:

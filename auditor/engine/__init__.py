@@ -4,8 +4,9 @@
 2. screen    one Gram pass checks z = s (w_k - t c) for every token
 3. interior  a closed-form convex combination for rows deep inside the hull
 4. frank-wolfe  batched pairwise Frank-Wolfe on the min-norm problem (no bias)
-5. lp        constraint generation with cvxpy for whatever is left
-6. whatever no stage proved is ``inconclusive``, with the bounds found
+5. newton    maximum-entropy convex combinations by Newton's method (no bias)
+6. lp        constraint generation with cvxpy for whatever is left
+7. whatever no stage proved is ``inconclusive``, with the bounds found
 
 Each stage only proposes certificates; certify.py accepts or rejects them in
 float64, so no stage can turn a guess into a verdict.
@@ -26,20 +27,22 @@ from auditor.domain import Domain
 from auditor.errors import InputError
 from auditor.engine.certify import check_convex, check_witnesses
 from auditor.engine.frank_wolfe import frank_wolfe
-from auditor.engine.head import EngineHead, build_engine_head
+from auditor.engine.head import EngineHead, build_engine_head, storage_dtype
 from auditor.engine.interior import interior_certificates
 from auditor.engine.lp import lp_decide, polish
 from auditor.engine.screen import screen
 from auditor.engine.ties import duplicate_groups
+from auditor.engine.tilt import tilted_certificates
 
 UNDECIDED, ARGMAXABLE, UNARGMAXABLE, TIED, INCONCLUSIVE = range(5)
 VERDICT_NAMES = ("undecided", "argmaxable", "unargmaxable", "tied", "inconclusive")
-STAGES = ("", "single row", "screen", "interior", "frank-wolfe", "lp", "unbounded hull")
+STAGES = ("", "single row", "screen", "interior", "frank-wolfe", "lp", "unbounded hull", "newton")
 
 
 @dataclass
 class EngineOptions:
     frank_wolfe_iterations: int = 100
+    newton_iterations: int = 40
     lp_rounds: int = 30
     residual_tol: float = 1e-10
 
@@ -106,6 +109,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     n = weight.shape[0]
     timings: dict[str, float] = {}
     clock = time.perf_counter()
+    weight = weight.to(storage_dtype(weight))  # no copy for a float32 head
     weight, bias, factor = _power_of_two_scale(weight, bias)
     if factor != 1.0:
         row_error = row_error * factor if row_error is not None else None
@@ -117,7 +121,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     out = Decisions(
         verdict=np.zeros(n, dtype=np.int8), margin=np.full(n, np.nan), runner_up=np.full(n, -1, dtype=np.int64),
         stage=np.zeros(n, dtype=np.int8), witness_shift=np.zeros(n), witness_scale=np.full(n, np.nan),
-        representative=representative, centre=head.centre.cpu().numpy(),
+        representative=representative, centre=head.witness_centre.cpu().numpy(),
         tolerances={"residual_tol": options.residual_tol, "typical_row_norm": head.typical_row_norm / factor,
                     "logit_error_factor": head.error_factor},
     )
@@ -159,8 +163,18 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
         with _bar(len(left), "frank-wolfe", progress) as bar:
             outcomes = frank_wolfe(head, left, threat, options.frank_wolfe_iterations, bar)
         _settle_frank_wolfe(head, out, left, outcomes, seeds, lower, upper)
-        left = left[out.verdict[left] == UNDECIDED]
+        keep = out.verdict[left] == UNDECIDED
+        left, threat = left[keep], threat[keep]
     timings["frank_wolfe"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    if head.bias is None and len(left) and options.newton_iterations > 0:
+        with _bar(len(left), "newton", progress) as bar:
+            settled = tilted_certificates(head, left, options.newton_iterations, progress=bar)
+        for k, (indices, weights, residual, gap) in settled.items():
+            _set_convex(out, k, indices, weights, residual, gap, "newton")
+        left = left[out.verdict[left] == UNDECIDED]
+    timings["newton"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
     with _bar(len(left), "exact LP", progress) as bar:
@@ -204,7 +218,8 @@ def _unscale(out: Decisions, factor: float, head: EngineHead) -> None:
         scaled = out.witness_scale * factor
     normal = ~np.isfinite(out.witness_scale) | (np.isfinite(scaled) & (np.abs(scaled) >= np.finfo(np.float64).tiny))
     for k in np.nonzero(~normal)[0].tolist():
-        direction = head.weight[k] - out.witness_shift[k] * head.centre if out.witness_shift[k] else head.weight[k]
+        row = head.rows64([k])[0]
+        direction = row - out.witness_shift[k] * head.witness_centre if out.witness_shift[k] else row
         out.explicit_witness[k] = (direction * float(out.witness_scale[k])).cpu().numpy()
         scaled[k] = np.nan
     out.witness_scale = scaled

@@ -1,4 +1,4 @@
-"""float64 checks of the two kinds of certificate.
+"""float64 checks of the two kinds of certificate (products with the head by blocks of rows).
 
 A witness z for token k is accepted when the computed margin
 min_{i != k} (l_k(z) - l_i(z)) stays positive after the worst rounding
@@ -22,7 +22,7 @@ from auditor.domain import Ball, Box, Domain
 from auditor.engine.head import EngineHead
 from auditor.engine.rounding import gamma, proves_positive, safe_norm
 
-_COLUMN_BUDGET = 1 << 27  # float64 entries of one n x B logit block (1 GiB)
+_COLUMN_BUDGET = 1 << 23  # float64 entries of one B x n logit block (64 MiB)
 
 
 @dataclass
@@ -60,7 +60,7 @@ def check_witnesses(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor, 
 def _check_block(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor, exact_bound: bool) -> WitnessCheck:
     k = torch.as_tensor(ids, device=head.device)
     rows = torch.arange(len(ids), device=head.device)
-    logits = witnesses @ head.weight.T  # B x n, reduced along contiguous rows
+    logits = head.logits(witnesses)  # B x n in float64, reduced along contiguous rows
     if head.bias is not None:
         logits += head.bias[None, :]
     if head.row_mask is not None:
@@ -91,9 +91,8 @@ def _check_block(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor, exa
 def _abs_products(head: EngineHead, abs_witnesses: torch.Tensor) -> torch.Tensor:
     """|W| |Z|^T by blocks of rows, so that |W| is never held whole."""
     out = torch.empty(abs_witnesses.shape[0], head.n, dtype=torch.float64, device=head.device)
-    block = 1 << 16
-    for s in range(0, head.n, block):
-        out[:, s:s + block] = abs_witnesses @ head.weight[s:s + block].abs().T
+    for s, e, rows in head.blocks():
+        out[:, s:e] = abs_witnesses @ rows.abs().T
     return out
 
 
@@ -125,13 +124,13 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
     total = float(alpha.sum())
     # The certificate is about alpha / sum(alpha), an exact point of the simplex.
     drift = abs(total - 1.0) + gamma(s)
-    w_k = head.weight[k]
+    w_k = head.rows64([k])[0]
     r_k = float(head.row_norm[k])
     if 4 * s > head.n:  # a dense combination: one product with W, no copy of its rows
         dense = torch.zeros(head.n, dtype=torch.float64, device=device).index_put_((index,), alpha)
-        combination = (dense @ head.weight) / total
+        combination = head.combine(dense[None, :])[0] / total
     else:
-        combination = (alpha @ head.weight.index_select(0, index)) / total
+        combination = (alpha @ head.rows64(index)) / total
     offset_t = w_k - combination
     offset = offset_t.cpu().numpy()
     involved = float(alpha @ head.row_norm[index]) / total

@@ -32,7 +32,7 @@ import torch
 from auditor.engine.head import EngineHead
 from auditor.engine.rounding import proves_positive, safe_norm
 
-_ALPHA_BUDGET = 1 << 25  # float64 entries of the dense active-set block
+_ALPHA_BUDGET = 1 << 22  # float64 entries of the dense active-set block (32 MiB; scores take as much again)
 
 
 @dataclass
@@ -47,7 +47,7 @@ class FrankWolfeOutcome:
 
 def _rival_scores(head: EngineHead, directions: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores x.w_i of all rows; the token's own score is returned and masked out."""
-    scores = directions @ head.weight.T
+    scores = head.fast_logits(directions)  # a float32 head's own precision: the witnesses are re-checked in float64
     if head.row_mask is not None:
         scores += head.row_mask[None, :]
     rows = torch.arange(len(k), device=head.device)
@@ -70,12 +70,12 @@ def frank_wolfe(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations
 
 def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations: int,
                outcomes: list[FrankWolfeOutcome]) -> None:
-    device, W = head.device, head.weight
+    device = head.device
     k_all = torch.as_tensor(ids, device=device)
     start_t = torch.as_tensor(start, device=device)
     alpha = torch.zeros(len(ids), head.n, dtype=torch.float64, device=device)
     alpha[torch.arange(len(ids), device=device), start_t] = 1.0
-    x = W[k_all] - W[start_t]
+    x = head.rows64(k_all) - head.rows64(start_t)
     running = torch.ones(len(ids), dtype=torch.bool, device=device)
     best_margin = torch.full((len(ids),), -torch.inf, dtype=torch.float64, device=device)
     tiny = head.exit_tolerance()
@@ -94,7 +94,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
         # Every iterate is a candidate witness: z = M x wins if its own score beats every rival.
         norm_z = safe_norm(zs, dim=1)
         margin = own - fw_score
-        tolerance = head.error_factor * (head.row_norm[k] + head.max_row_norm) * norm_z + head.underflow_floor
+        tolerance = head.fast_error_factor * (head.row_norm[k] + head.max_row_norm) * norm_z + head.underflow_floor
         certified = proves_positive(margin, tolerance)
         unit_margin = torch.where(norm_z > 0, margin / norm_z, torch.full_like(margin, -torch.inf))
         best_margin[live] = torch.maximum(best_margin[live], unit_margin)
@@ -109,7 +109,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
         weights = alpha[live]
         away_score, away_vertex = torch.where(weights > 0, scores, torch.full_like(scores, torch.inf)).min(dim=1)
         gap = fw_score - away_score
-        direction = W[fw_vertex] - W[away_vertex]
+        direction = head.rows64(fw_vertex) - head.rows64(away_vertex)
         length2 = ((direction @ metric) * direction).sum(dim=1)
         available = weights.gather(1, away_vertex[:, None]).squeeze(1)
         step = torch.where(length2 > 0, gap / length2, torch.zeros_like(gap)).clamp(min=0)

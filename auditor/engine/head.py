@@ -1,4 +1,10 @@
-"""The head as the engine sees it: float64 rows on one device, plus what every stage reuses."""
+"""The head as the engine sees it: its rows on one device, plus what every stage reuses.
+
+The rows are kept in float32 when every entry is a float32 value (float16,
+bfloat16 and float32 heads: the conversion is exact), otherwise in float64.
+Nothing holds a float64 copy of the whole head: the float64 products the
+certificates need are formed by blocks of rows (``logits``, ``combine``).
+"""
 
 from __future__ import annotations
 
@@ -8,19 +14,19 @@ import numpy as np
 import torch
 
 from auditor.domain import Domain
-from auditor.engine.rounding import logit_error_factor, safe_norm, underflow_floor
+from auditor.engine.rounding import UNIT_ROUNDOFF_32, logit_error_factor, safe_norm, underflow_floor
 
 
 @dataclass
 class EngineHead:
-    """float64 weight and bias on the compute device, with per-row facts computed once.
+    """The weight (float32 or float64) and a float64 bias on the compute device, with per-row facts computed once.
 
     ``competitor`` marks the rows a token must beat: one representative per
     group of exact duplicates. ``row_mask`` is 0 on competitors and -inf on the
     other copies, added to logits so that the copies never count as rivals.
     """
 
-    weight: torch.Tensor  # n x d, float64
+    weight: torch.Tensor  # n x d, float32 when that is exact, else float64
     bias: torch.Tensor | None  # n, float64
     representative: np.ndarray  # n, smallest id of each row's duplicate group
     competitor: torch.Tensor  # n, bool
@@ -30,7 +36,8 @@ class EngineHead:
     typical_row_norm: float  # 10th percentile of the non-zero competitor row norms: a scale no outlier can inflate
     max_abs_bias: float  # over competitors, 0 without bias
     centre: torch.Tensor  # d, mean of the competitor rows
-    centre_logits: torch.Tensor  # n, w_i . centre
+    witness_centre: torch.Tensor  # d, the centre c of formula witnesses s (w_k - t c): rounded to the storage
+    centre_logits: torch.Tensor  # n, w_i . witness_centre
     domain: Domain
     residual_tol: float  # relative tolerance for the residual of a convex certificate
     row_error: torch.Tensor | None = None  # bound on ||stored row - exact row|| when the rows were derived
@@ -74,6 +81,18 @@ class EngineHead:
         return self.residual_tol * max(self.max_row_norm, np.finfo(np.float64).tiny)
 
     _precision: torch.Tensor | None = None
+    _covariance: torch.Tensor | None = None
+
+    @property
+    def covariance(self) -> torch.Tensor:
+        """Covariance of the competitor rows (d x d), computed on first use."""
+        if self._covariance is None:
+            covariance = torch.zeros(self.d, self.d, dtype=torch.float64, device=self.device)
+            for s, e, rows in self.blocks():  # by blocks: no centred copy of the head
+                centred = rows[self.competitor[s:e]] - self.centre
+                covariance += centred.T @ centred
+            self._covariance = covariance / max(self.n_competitors, 1)
+        return self._covariance
 
     @property
     def precision(self) -> torch.Tensor:
@@ -83,18 +102,69 @@ class EngineHead:
         under invertible linear maps, but first-order methods converge faster.
         """
         if self._precision is None:
-            centred = self.weight[self.competitor] - self.centre
-            covariance = centred.T @ centred / max(centred.shape[0], 1)
+            covariance = self.covariance
             eigval, eigvec = torch.linalg.eigh(covariance)
             # Drop the null directions: the rows of a LayerNorm-ed head span only a subspace.
             keep = eigval > eigval.max() * self.d * np.finfo(np.float64).eps
             self._precision = (eigvec[:, keep] / eigval[keep]) @ eigvec[:, keep].T
         return self._precision
 
+    def rows64(self, ids) -> torch.Tensor:
+        """float64 copies of some rows on the device (exact: the storage converts exactly)."""
+        index = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+        return self.weight.index_select(0, index.reshape(-1)).to(torch.float64)
+
     def rows(self, ids) -> np.ndarray:
         """float64 numpy copies of some rows (for the small per-token problems)."""
-        index = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=self.device)
-        return self.weight.index_select(0, index).cpu().numpy()
+        return self.rows64(np.asarray(ids, dtype=np.int64)).cpu().numpy()
+
+    def blocks(self):
+        """(start, stop, float64 rows) over the head, a few thousand rows at a time."""
+        step = self.n if self.weight.dtype == torch.float64 else _BLOCK_ROWS
+        for s in range(0, self.n, step):
+            e = min(self.n, s + step)
+            yield s, e, self.weight[s:e].to(torch.float64)
+
+    def logits(self, z: torch.Tensor) -> torch.Tensor:
+        """z W^T in float64 (B x n for B x d points z), by blocks of rows."""
+        if self.weight.dtype == torch.float64:
+            return z @ self.weight.T
+        out = torch.empty(z.shape[0], self.n, dtype=torch.float64, device=self.device)
+        for s, e, rows in self.blocks():
+            out[:, s:e] = z @ rows.T
+        return out
+
+    def fast_logits(self, z: torch.Tensor) -> torch.Tensor:
+        """z W^T in the storage's precision (float32 for a float32 head), returned as float64.
+
+        For search directions only (Frank-Wolfe's vertex choice): every witness
+        found this way is checked again with ``logits``. ``fast_error_factor``
+        bounds its error like ``error_factor`` bounds that of ``logits``.
+        """
+        if self.weight.dtype == torch.float64:
+            return z @ self.weight.T
+        return (z.to(self.weight.dtype) @ self.weight.T).to(torch.float64)
+
+    def fast_combine(self, alpha: torch.Tensor) -> torch.Tensor:
+        """alpha W in the storage's precision, returned as float64 (steering only, like fast_logits)."""
+        if self.weight.dtype == torch.float64:
+            return alpha @ self.weight
+        return (alpha.to(self.weight.dtype) @ self.weight).to(torch.float64)
+
+    @property
+    def fast_error_factor(self) -> float:
+        if self.weight.dtype == torch.float64:
+            return self.error_factor
+        return logit_error_factor(self.d, UNIT_ROUNDOFF_32) + 2 * UNIT_ROUNDOFF_32  # and z rounded to float32
+
+    def combine(self, alpha: torch.Tensor) -> torch.Tensor:
+        """alpha W in float64 (B x d for B x n weights), by blocks of rows."""
+        if self.weight.dtype == torch.float64:
+            return alpha @ self.weight
+        total = torch.zeros(alpha.shape[0], self.d, dtype=torch.float64, device=self.device)
+        for s, e, rows in self.blocks():
+            total += alpha[:, s:e] @ rows
+        return total
 
     def biases(self, ids) -> np.ndarray:
         if self.bias is None:
@@ -103,13 +173,29 @@ class EngineHead:
         return self.bias.index_select(0, index).cpu().numpy()
 
 
+_BLOCK_ROWS = 2048  # rows converted to float64 at a time (12 MiB at d = 768)
+
+
 def robust_row_norms(weight: torch.Tensor) -> torch.Tensor:
-    """Euclidean row norms that do not underflow, without a rescaled copy of the whole head."""
-    norms = torch.linalg.vector_norm(weight, dim=1)
+    """float64 Euclidean row norms that do not underflow, without a rescaled copy of the whole head."""
+    norms = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
+    for s in range(0, weight.shape[0], _BLOCK_ROWS):
+        norms[s:s + _BLOCK_ROWS] = torch.linalg.vector_norm(weight[s:s + _BLOCK_ROWS].to(torch.float64), dim=1)
     tiny = torch.nonzero(norms < 1e-150).flatten()  # only these can have underflowed
     if tiny.numel():
-        norms[tiny] = safe_norm(weight.index_select(0, tiny), dim=1)
+        norms[tiny] = safe_norm(weight.index_select(0, tiny).to(torch.float64), dim=1)
     return norms
+
+
+def storage_dtype(weight: torch.Tensor) -> torch.dtype:
+    """float32 when every entry of the head is a float32 value, else float64."""
+    if weight.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return torch.float32
+    for s in range(0, weight.shape[0], _BLOCK_ROWS):
+        block = weight[s:s + _BLOCK_ROWS]
+        if not torch.equal(block.to(torch.float32).to(torch.float64), block):
+            return torch.float64
+    return torch.float32
 
 
 def _low_quantile(norms: torch.Tensor) -> float:
@@ -130,7 +216,14 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
         row_mask = torch.zeros(weight.shape[0], dtype=torch.float64, device=device)
         row_mask[~competitor] = -torch.inf
     row_norm = robust_row_norms(weight)
-    centre = weight[competitor].mean(dim=0)
+    centre = torch.zeros(weight.shape[1], dtype=torch.float64, device=device)
+    for s in range(0, weight.shape[0], _BLOCK_ROWS):
+        centre += weight[s:s + _BLOCK_ROWS][competitor[s:s + _BLOCK_ROWS]].to(torch.float64).sum(dim=0)
+    centre /= int(competitor.sum())
+    witness_centre = centre.to(weight.dtype).to(torch.float64)  # a float32 head's screen uses it as it is
+    centre_logits = torch.empty(weight.shape[0], dtype=torch.float64, device=device)
+    for s in range(0, weight.shape[0], _BLOCK_ROWS):
+        centre_logits[s:s + _BLOCK_ROWS] = weight[s:s + _BLOCK_ROWS].to(torch.float64) @ witness_centre
     return EngineHead(
         weight=weight,
         bias=bias,
@@ -142,7 +235,8 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
         typical_row_norm=_low_quantile(row_norm[competitor]),
         max_abs_bias=0.0 if bias is None else float(bias[competitor].abs().max()),
         centre=centre,
-        centre_logits=weight @ centre,
+        witness_centre=witness_centre,
+        centre_logits=centre_logits,
         domain=domain,
         residual_tol=residual_tol,
         row_error=row_error,

@@ -39,9 +39,9 @@ def interior_certificates(head: EngineHead, ids: np.ndarray) -> dict[int, tuple[
     for s in range(0, len(ids), 64):
         batch = ids[s:s + 64]
         k = torch.as_tensor(batch, device=head.device)
-        offsets = (head.weight[k] - head.centre) @ inverse  # B x d
+        offsets = (head.rows64(k) - head.centre) @ inverse  # B x d
         # (w_i - c) . offset for every competitor i, without a centred copy of the head
-        projections = (head.weight @ offsets.T - head.centre @ offsets.T)[rows]
+        projections = (head.logits(offsets).T - head.centre @ offsets.T)[rows]
         alpha = (1.0 + projections) / m  # m x B
         for j, token in enumerate(batch.tolist()):
             weights = alpha[:, j]

@@ -110,9 +110,8 @@ def _witness_from(head: EngineHead, k: int, z: np.ndarray) -> np.ndarray:
         if head.domain.bounded:
             return z * head.domain.largest_scale(z)
         return z
-    W = head.weight
     zt = torch.as_tensor(z, device=head.device)
-    logits = W @ zt
+    logits = head.logits(zt[None, :])[0]
     if head.row_mask is not None:
         logits = logits + head.row_mask
     slopes = (logits[k] - logits).cpu().numpy()
@@ -224,7 +223,7 @@ def lp_decide(head: EngineHead, k: int, seed_rivals: np.ndarray, max_rounds: int
 
 def _top_rivals(head: EngineHead, k: int, z: np.ndarray, exclude: set, count: int) -> np.ndarray:
     """The ``count`` rows with the largest logits at z, among competitors not in ``exclude``."""
-    logits = head.weight @ torch.as_tensor(z, device=head.device)
+    logits = head.logits(torch.as_tensor(z, device=head.device)[None, :])[0]
     if head.bias is not None:
         logits = logits + head.bias
     if head.row_mask is not None:

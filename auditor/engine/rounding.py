@@ -13,20 +13,23 @@ from __future__ import annotations
 
 UNIT_ROUNDOFF = 2.0**-53
 SMALLEST_SUBNORMAL = 2.0**-1074
+# The same constants for float32 arithmetic (the screening pass of float32 heads).
+UNIT_ROUNDOFF_32 = 2.0**-24
+SMALLEST_SUBNORMAL_32 = 2.0**-149
 
 
-def gamma(n: int) -> float:
-    return n * UNIT_ROUNDOFF / (1.0 - n * UNIT_ROUNDOFF)
+def gamma(n: int, unit: float = UNIT_ROUNDOFF) -> float:
+    return n * unit / (1.0 - n * unit)
 
 
-def logit_error_factor(d: int) -> float:
+def logit_error_factor(d: int, unit: float = UNIT_ROUNDOFF) -> float:
     """f such that a computed logit w.z + b is within f (||w|| ||z|| + |b|) of the exact one."""
-    return 2.0 * gamma(d + 4)
+    return 2.0 * gamma(d + 4, unit)
 
 
-def underflow_floor(d: int) -> float:
+def underflow_floor(d: int, subnormal: float = SMALLEST_SUBNORMAL) -> float:
     """Absolute error a length-d dot product can add through gradual underflow (d + 4 products and sums, doubled)."""
-    return 2.0 * (d + 4) * SMALLEST_SUBNORMAL
+    return 2.0 * (d + 4) * subnormal
 
 
 def safe_norm(x, dim: int = -1):
@@ -38,11 +41,12 @@ def safe_norm(x, dim: int = -1):
     return peak.squeeze(dim) * torch.linalg.vector_norm(unit, dim=dim)
 
 
-def proves_positive(margin, tolerance):
+def proves_positive(margin, tolerance, unit: float = UNIT_ROUNDOFF):
     """True where a computed difference is positive even after the worst rounding.
 
     ``margin`` is fl(l_k) - fl(l_i) and ``tolerance`` bounds the error of the two
-    logits; the subtraction itself adds at most one rounding, the (1 - u) factor.
+    logits; the subtraction itself adds at most one rounding, the (1 - u) factor
+    (u the unit roundoff of the arithmetic the subtraction was done in).
     Works on floats and on tensors alike.
     """
-    return margin * (1.0 - UNIT_ROUNDOFF) > tolerance
+    return margin * (1.0 - unit) > tolerance

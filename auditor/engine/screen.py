@@ -8,9 +8,17 @@ product W W_K^T and the vector W c:
 
     l_i(z) = s (w_i.w_k - t w_i.c) + b_i.
 
-The pass is itself the float64 check of these witnesses: the margin it
-computes is compared with the rigorous rounding bound of rounding.py, which
-already allows for the extra operations and for storing z.
+The pass is itself the check of these witnesses: the margin it computes is
+compared with the rigorous rounding bound of rounding.py, which already
+allows for the extra operations and for storing z.
+
+A float32 head (any float16, bfloat16 or float32 head: the storage is then
+exact) is screened in float32 arithmetic, the floor's own precision, with the
+float32 rounding bound: about 5e-5 of |w_i| |z| at d = 768, far below the
+margins of all but a few tokens, which the later stages take. The centre c and
+every scale s are float32 values then, so that z is exactly the vector whose
+logits the pass bounds; its float64 rounding is allowed for as well, so a
+float64 re-check of the reported witness (auditor.verify) passes too.
 """
 
 from __future__ import annotations
@@ -21,11 +29,12 @@ import numpy as np
 import torch
 
 from auditor.domain import Ball, Box
-from auditor.engine.certify import inside_domain
+from auditor.engine.certify import check_witnesses, inside_domain
 from auditor.engine.head import EngineHead
-from auditor.engine.rounding import proves_positive
+from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, logit_error_factor,
+                                     proves_positive, safe_norm, underflow_floor)
 
-_BLOCK_BUDGET = 1 << 25  # float64 entries per n x chunk block (256 MiB); three blocks live at once
+_BLOCK_BUDGET = 1 << 24  # entries per chunk x n block (64 MiB in float32); two blocks live at once with a bias
 _SHIFTS = (0.0, 1.0)
 _BOUNDED_LADDER = (1.0, 1 / 4, 1 / 16, 1 / 64)  # fractions of the largest scale, with a bias
 _UNBOUNDED_LADDER = (1.0, 64.0, 4096.0)  # logit scale relative to the bias spread
@@ -39,6 +48,8 @@ class ScreenResult:
     scale: np.ndarray  # s of the witness
     runner_up: np.ndarray  # the rival closest to winning at the witness
     threat: np.ndarray  # the strongest rival at z = w_k (starts Frank-Wolfe)
+    close_shift: np.ndarray  # for uncertified tokens: the candidate that won by less than its
+    close_scale: np.ndarray  # rounding bound (nan where none won at all), re-checked in float64
 
 
 def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
@@ -50,18 +61,102 @@ def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
         scale=np.ones(count),
         runner_up=np.full(count, -1, dtype=np.int64),
         threat=np.full(count, -1, dtype=np.int64),
+        close_shift=np.full(count, np.nan),
+        close_scale=np.full(count, np.nan),
     )
+    arithmetic = _Arithmetic(head)
     chunk = max(1, min(count, 4096, _BLOCK_BUDGET // max(head.n, 1)))
-    # Reused blocks: a fresh quarter-gigabyte allocation per chunk costs more in page faults than the reductions.
-    gram = torch.empty(chunk, head.n, dtype=torch.float64, device=head.device)
+    # Reused blocks: a fresh large allocation per chunk costs more in page faults than the reductions.
+    gram = torch.empty(chunk, head.n, dtype=arithmetic.dtype, device=head.device)
     scratch = torch.empty_like(gram) if head.bias is not None else None
-    for start in range(0, count, chunk):
-        part = slice(start, min(start + chunk, count))
-        rows = part.stop - part.start
-        _screen_chunk(head, ids[part], result, part, gram[:rows], scratch[:rows] if scratch is not None else None)
-        if progress is not None:
-            progress.update(rows)
+    with _exact_float32_products():
+        for start in range(0, count, chunk):
+            part = slice(start, min(start + chunk, count))
+            rows = part.stop - part.start
+            _screen_chunk(head, arithmetic, ids[part], result, part, gram[:rows],
+                          scratch[:rows] if scratch is not None else None)
+            if progress is not None:
+                progress.update(rows)
+    if arithmetic.dtype == torch.float32:
+        _recheck_close_calls(head, ids, result)
     return result
+
+
+def _recheck_close_calls(head: EngineHead, ids: np.ndarray, result: ScreenResult) -> None:
+    """Candidates that won by less than the float32 rounding bound, checked again in float64.
+
+    The float64 bound is about 2^29 times smaller; the product costs one float64
+    row of W W^T per token, for the few tokens whose margins are that small.
+    """
+    close = np.nonzero(~result.certified & np.isfinite(result.close_scale))[0]
+    for s in range(0, close.size, 256):
+        part = close[s:s + 256]
+        rows = head.rows64(ids[part])
+        shift = torch.as_tensor(result.close_shift[part], device=head.device)
+        scale = torch.as_tensor(result.close_scale[part], device=head.device)
+        witnesses = scale[:, None] * (rows - shift[:, None] * head.witness_centre)
+        check = check_witnesses(head, ids[part], witnesses)
+        failed = ~check.certified
+        if failed.any():  # the sharper per-entry bound for the closest calls
+            again = check_witnesses(head, ids[part[failed]], witnesses[torch.as_tensor(failed)], exact_bound=True)
+            check.certified[failed], check.margin[failed] = again.certified, again.margin
+            check.runner_up[failed] = again.runner_up
+        won = part[check.certified]
+        margin = check.margin[check.certified]
+        if head.bias is None and not head.domain.bounded:  # the unit-ball margin, as the pass reports it
+            margin = margin / safe_norm(witnesses[torch.as_tensor(check.certified)], dim=1).cpu().numpy()
+        result.certified[won] = True
+        result.margin[won] = margin
+        result.shift[won] = result.close_shift[won]
+        result.scale[won] = result.close_scale[won]
+        result.runner_up[won] = check.runner_up[check.certified]
+
+
+class _Arithmetic:
+    """The precision the pass computes in, and the rounding bounds that go with it."""
+
+    def __init__(self, head: EngineHead):
+        finite = head.bias is None or head.max_abs_bias <= 2.0**60
+        in_range = 2.0**-40 <= head.typical_row_norm and head.max_row_norm <= 2.0**40 and finite
+        self.dtype = torch.float32 if head.weight.dtype == torch.float32 and in_range else torch.float64
+        self.weight = head.weight.to(self.dtype)  # the head itself unless a float32 head is out of range
+        if self.dtype == torch.float32:
+            self.unit = UNIT_ROUNDOFF_32
+            # float32 products, plus the float64 rounding of the reported witness
+            self.error_factor = logit_error_factor(head.d, UNIT_ROUNDOFF_32) + head.error_factor
+            self.underflow_floor = underflow_floor(head.d, SMALLEST_SUBNORMAL_32) + head.underflow_floor
+            self.centre_logits = head.centre_logits.to(torch.float32)
+            # rounding w_i . c and the bias to float32, once, for every row
+            self.centre_error = float((head.centre_logits - self.centre_logits.to(torch.float64)).abs().max())
+            self.bias = head.bias.to(torch.float32) if head.bias is not None else None
+            self.bias_error = (float((head.bias - self.bias.to(torch.float64)).abs().max())
+                               if head.bias is not None else 0.0)
+        else:
+            self.unit = UNIT_ROUNDOFF
+            self.error_factor, self.underflow_floor = head.error_factor, head.underflow_floor
+            self.centre_logits, self.centre_error = head.centre_logits, 0.0
+            self.bias, self.bias_error = head.bias, 0.0
+
+    def scales(self, scale: torch.Tensor) -> torch.Tensor:
+        """Scales the pass can use exactly: rounded towards zero to its precision, so none leaves the domain."""
+        if self.dtype == torch.float64:
+            return scale
+        rounded = scale.to(torch.float32)
+        high = rounded.to(torch.float64) > scale
+        rounded[high] = torch.nextafter(rounded[high], torch.zeros_like(rounded[high]))
+        return rounded.to(torch.float64)
+
+
+class _exact_float32_products:
+    """Keep float32 matrix products in float32 (no TF32 or bfloat16 shortcuts) while the pass runs:
+    the rounding bound assumes float32 inputs and float32 (or better) accumulation."""
+
+    def __enter__(self):
+        self.saved = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+
+    def __exit__(self, *exc):
+        torch.set_float32_matmul_precision(self.saved)
 def _candidate_scales(head: EngineHead, directions: torch.Tensor) -> list[torch.Tensor]:
     """Scales s to try for each direction (one tensor of per-token scales per rung)."""
     domain = head.domain
@@ -84,48 +179,57 @@ def _candidate_scales(head: EngineHead, directions: torch.Tensor) -> list[torch.
     return [base * f for f in _UNBOUNDED_LADDER]
 
 
-def _screen_chunk(head: EngineHead, ids: np.ndarray, result: ScreenResult, part: slice,
+def _screen_chunk(head: EngineHead, arithmetic: _Arithmetic, ids: np.ndarray, result: ScreenResult, part: slice,
                   gram: torch.Tensor, scratch: torch.Tensor | None) -> None:
     """Screen one chunk of tokens; ``gram`` (and ``scratch`` with a bias) are chunk x n work blocks."""
     device = head.device
     k = torch.as_tensor(ids, device=device)
     cols = torch.arange(len(ids), device=device)
-    rows_k = head.weight.index_select(0, k)
-    torch.matmul(rows_k, head.weight.T, out=gram)  # chunk x n: w_k . w_i, reduced along contiguous rows
+    W = arithmetic.weight
+    torch.matmul(W.index_select(0, k), W.T, out=gram)  # chunk x n: w_k . w_i, reduced along contiguous rows
+    rows_k = head.rows64(k)
     norm_k = head.row_norm[k]
     own_gram = gram[cols, k].clone()
     gram[cols, k] = -torch.inf  # the token is not its own rival
     if head.row_mask is not None:
-        gram += head.row_mask[None, :]
-    own_bias = head.bias[k] if head.bias is not None else None
-    centre_norm = float(torch.linalg.vector_norm(head.centre))
+        gram += head.row_mask[None, :].to(gram.dtype)
+    bias = arithmetic.bias
+    own_bias = bias[k] if bias is not None else None
+    centre = head.witness_centre
+    centre_norm = float(torch.linalg.vector_norm(centre))
+    unit = arithmetic.unit
 
     best_quality = torch.full((len(ids),), -torch.inf, dtype=torch.float64, device=device)
     chosen = {name: torch.as_tensor(getattr(result, name)[part], device=device)
-              for name in ("certified", "margin", "shift", "scale", "runner_up")}
+              for name in ("certified", "margin", "shift", "scale", "runner_up", "close_shift", "close_scale")}
+    best_slack = torch.full((len(ids),), -torch.inf, dtype=torch.float64, device=device)
 
     for t in _SHIFTS:
         if t:
-            gram -= head.centre_logits[None, :]  # now w_i . (w_k - c); the masked entries stay -inf
-        directions = rows_k - t * head.centre if t else rows_k
-        own_base = own_gram - t * head.centre_logits[k]
+            gram -= arithmetic.centre_logits[None, :]  # now w_i . (w_k - c); the masked entries stay -inf
+        directions = rows_k - t * centre if t else rows_k
+        own_base = own_gram - t * arithmetic.centre_logits[k]
         norm_z = torch.linalg.vector_norm(directions, dim=1)
         for rung, scale in enumerate(_candidate_scales(head, directions)):
-            if head.bias is None:
+            scale = arithmetic.scales(scale)
+            if bias is None:
                 rival, runner_up = gram.max(dim=1)
                 own = own_base
             else:
-                torch.mul(gram, scale[:, None], out=scratch)
-                scratch += head.bias[None, :]
+                torch.mul(gram, scale.to(gram.dtype)[:, None], out=scratch)
+                scratch += bias[None, :]
                 rival, runner_up = scratch.max(dim=1)
-                own = own_base * scale + own_bias
-            margin = own - rival
+                own = own_base * scale.to(gram.dtype) + own_bias
+            margin = (own - rival).to(torch.float64)
             # ||z|| <= s (||w_k|| + t ||c||): the size the rounding bound needs.
             size = (scale if head.bias is not None else 1.0) * (norm_k + t * centre_norm)
-            tolerance = head.error_factor * ((norm_k + head.max_row_norm) * size + head.max_abs_bias) + head.underflow_floor
+            tolerance = (arithmetic.error_factor * ((norm_k + head.max_row_norm) * size + head.max_abs_bias)
+                         + arithmetic.underflow_floor + 2 * arithmetic.bias_error
+                         + 2 * t * arithmetic.centre_error * (scale if head.bias is not None else 1.0))
             if own_bias is not None:
-                tolerance = tolerance + head.error_factor * own_bias.abs()
-            certified = proves_positive(margin, tolerance) & inside_domain(head.domain, directions * scale[:, None])
+                tolerance = tolerance + arithmetic.error_factor * head.bias[k].abs()
+            certified = (proves_positive(margin, tolerance, unit) & torch.isfinite(own).to(torch.bool)
+                         & inside_domain(head.domain, directions * scale[:, None]))
             if head.bias is None:
                 reported = margin * scale if head.domain.bounded else margin / norm_z
             else:
@@ -138,6 +242,13 @@ def _screen_chunk(head: EngineHead, ids: np.ndarray, result: ScreenResult, part:
             chosen["shift"] = torch.where(better, torch.full_like(reported, t), chosen["shift"])
             chosen["scale"] = torch.where(better, scale * torch.ones_like(reported), chosen["scale"])
             chosen["runner_up"] = torch.where(better, runner_up, chosen["runner_up"])
+            # relative slack of a candidate that won in the computed numbers: a close call if not certified
+            slack = torch.where((margin > 0) & torch.isfinite(own).to(torch.bool), margin / tolerance - 1,
+                                torch.full_like(margin, -torch.inf))
+            closer = slack > best_slack
+            best_slack = torch.where(closer, slack, best_slack)
+            chosen["close_shift"] = torch.where(closer, torch.full_like(reported, t), chosen["close_shift"])
+            chosen["close_scale"] = torch.where(closer, scale * torch.ones_like(reported), chosen["close_scale"])
             if t == 0 and rung == 0:  # the strongest rival at z = w_k itself
                 result.threat[part] = runner_up.cpu().numpy()
     for name, values in chosen.items():

@@ -34,6 +34,7 @@ def render(result: GateResult) -> str:
             "token_strings": head.token_source,
         },
         "domain": str(report.domain),
+        "shard": result.shard,
         "summary": {"n_tokens": report.n_tokens, **report.counts, "failing": len(result.failing)},
         "fail_on": sorted(result.fail_on),
         "ceiling": result.ceiling,

@@ -1,0 +1,107 @@
+"""``audit-merge``: one report from the JSON reports of ``audit --shard I/N``.
+
+    audit --shard 1/4 --format json --output part1.json model/   # on four machines, or one after another
+    ...
+    audit-merge part1.json part2.json part3.json part4.json [--output merged.json]
+
+The shards must be the N parts of one run: the same head (path, tensors,
+shape, dtype), domain, --fail-on and tool version, every index 1..N exactly
+once. The merged report has the schema of a whole-vocabulary report
+(``"shard": null``, summed counts, all findings by id, per-stage times
+summed over the shards). Exit codes as for ``audit``: 0 clean, 1 failing
+findings, 2 when the shards do not fit together or cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from auditor.errors import InputError
+from auditor.gate import EXIT_CLEAN, EXIT_ERROR, EXIT_FINDINGS
+
+_SAME = ("schema_version", "tool", "head", "domain", "fail_on", "ceiling")
+_DECIDED = ("argmaxable", "unargmaxable", "tied", "inconclusive")
+
+
+def _read(path: Path) -> dict:
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InputError(f"{path}: not a JSON report ({error})") from None
+    if not isinstance(document, dict) or "summary" not in document or "findings" not in document:
+        raise InputError(f"{path}: not a JSON report of audit (use --format json)")
+    if not isinstance(document.get("shard"), dict):
+        raise InputError(f"{path}: not a shard (it was written without --shard I/N)")
+    return document
+
+
+def merge_reports(documents: list[dict], names: list[str] | None = None) -> dict:
+    """Merge the JSON documents of all N shards of one audit into one document."""
+    names = names or [f"report {j + 1}" for j in range(len(documents))]
+    if not documents:
+        raise InputError("no reports to merge")
+    first = documents[0]
+    for name, document in zip(names, documents):
+        for key in _SAME:
+            if document.get(key) != first.get(key):
+                raise InputError(f"{name}: its {key!r} differs from {names[0]}'s; these are not shards of one audit")
+    count = first["shard"]["count"]
+    seen: dict[int, str] = {}
+    for name, document in zip(names, documents):
+        shard = document["shard"]
+        if shard["count"] != count:
+            raise InputError(f"{name}: shard of {shard['count']}, but {names[0]} is a shard of {count}")
+        if shard["index"] in seen:
+            raise InputError(f"{name}: shard {shard['index']}/{count} again (also {seen[shard['index']]})")
+        seen[shard["index"]] = name
+    missing = sorted(set(range(1, count + 1)) - set(seen))
+    if missing:
+        raise InputError(f"shards {', '.join(f'{i}/{count}' for i in missing)} are missing")
+
+    n = first["summary"]["n_tokens"]
+    summary = {"n_tokens": n, **{v: sum(d["summary"].get(v, 0) for d in documents) for v in _DECIDED}}
+    summary["undecided"] = n - sum(summary[v] for v in _DECIDED)
+    findings = sorted((f for d in documents for f in d["findings"]), key=lambda f: f["id"])
+    failing = sum(d["summary"]["failing"] for d in documents)
+    summary["failing"] = failing
+    timing: dict[str, float] = {}
+    for document in documents:
+        for key, seconds in document.get("timing", {}).items():
+            timing[key] = round(timing.get(key, 0.0) + seconds, 6)
+    merged = {key: first[key] for key in first if key not in ("summary", "findings", "timing", "shard", "notes")}
+    merged.update(shard=None, summary=summary, findings=findings, notes=first.get("notes", []), timing=timing,
+                  merged_from=count)
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="audit-merge", description="Merge the JSON reports of audit --shard I/N.")
+    parser.add_argument("reports", nargs="+", type=Path, help="the N shard reports (audit --shard I/N --format json)")
+    parser.add_argument("--output", type=Path, metavar="FILE", help="write the merged report to FILE (atomically)")
+    args = parser.parse_args(argv)
+    try:
+        merged = merge_reports([_read(path) for path in args.reports], [str(path) for path in args.reports])
+        text = json.dumps(merged, indent=2, allow_nan=False) + "\n"
+        if args.output:
+            from auditor._cli import check_writable, write_atomically
+
+            check_writable(args.output)
+            write_atomically({args.output: text})
+        else:
+            sys.stdout.write(text)
+    except InputError as error:
+        print(f"audit-merge: error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    summary = merged["summary"]
+    print(f"audit-merge: {len(args.reports)} shards, {summary['n_tokens']} tokens, "
+          f"{summary['failing']} failing findings", file=sys.stderr)
+    return EXIT_FINDINGS if summary["failing"] else EXIT_CLEAN
+
+
+if __name__ == "__main__":
+    sys.exit(main())
