@@ -12,7 +12,7 @@ import torch
 from auditor._input import check_options, prepare_inputs, prepare_token_ids, resolve_device
 from auditor.domain import Ball, Domain, Norm, parse_domain
 from auditor.engine import INCONCLUSIVE, STAGES, TIED, UNARGMAXABLE, EngineOptions, decide
-from auditor.engine.certify import check_witnesses
+from auditor.engine.certify import check_witnesses_sharpened
 from auditor.engine.head import build_engine_head
 from auditor.errors import InputError
 from auditor.norm import FinalNorm, NormMap, reduce_head
@@ -205,12 +205,7 @@ def _confirm_norm_witnesses(report: AuditReport, weight: torch.Tensor, bias: tor
     for start in range(0, ids.size, 1024):
         part = ids[start:start + 1024]
         outputs = np.stack([report.witness(int(k)) for k in part])
-        check = check_witnesses(head, part, torch.as_tensor(outputs, device=weight.device))
-        failed = ~check.certified
-        if failed.any():  # the sharper per-entry rounding bound, for the close calls only
-            again = check_witnesses(head, part[failed], torch.as_tensor(outputs[failed], device=weight.device),
-                                    exact_bound=True)
-            check.certified[failed], check.margin[failed] = again.certified, again.margin
+        check = check_witnesses_sharpened(head, part, torch.as_tensor(outputs, device=weight.device))
         for j, k in enumerate(part.tolist()):
             d.margin[k] = check.margin[j]
             if check.certified[j]:

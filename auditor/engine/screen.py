@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from auditor.domain import Ball, Box
-from auditor.engine.certify import check_witnesses, inside_domain
+from auditor.engine.certify import check_witnesses_sharpened, inside_domain
 from auditor.engine.head import EngineHead
 from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, logit_error_factor,
                                      proves_positive, safe_norm, underflow_floor)
@@ -95,12 +95,7 @@ def _recheck_close_calls(head: EngineHead, ids: np.ndarray, result: ScreenResult
         shift = torch.as_tensor(result.close_shift[part], device=head.device)
         scale = torch.as_tensor(result.close_scale[part], device=head.device)
         witnesses = scale[:, None] * (rows - shift[:, None] * head.witness_centre)
-        check = check_witnesses(head, ids[part], witnesses)
-        failed = ~check.certified
-        if failed.any():  # the sharper per-entry bound for the closest calls
-            again = check_witnesses(head, ids[part[failed]], witnesses[torch.as_tensor(failed)], exact_bound=True)
-            check.certified[failed], check.margin[failed] = again.certified, again.margin
-            check.runner_up[failed] = again.runner_up
+        check = check_witnesses_sharpened(head, ids[part], witnesses)
         won = part[check.certified]
         margin = check.margin[check.certified]
         if head.bias is None and not head.domain.bounded:  # the unit-ball margin, as the pass reports it
