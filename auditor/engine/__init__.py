@@ -7,6 +7,8 @@
 5. newton    maximum-entropy convex combinations by Newton's method (no bias)
 6. lp        constraint generation with cvxpy for whatever is left
 7. whatever no stage proved is ``inconclusive``, with the bounds found
+8. sparsify  every convex certificate on more than D rows is reduced to at
+             most D (Carathéodory; D = d + 1, d + 2 with a bias) and checked again
 
 Each stage only proposes certificates; certify.py accepts or rejects them in
 float64, so no stage can turn a guess into a verdict.
@@ -25,11 +27,12 @@ from tqdm import tqdm
 
 from auditor.domain import Domain
 from auditor.errors import InputError
+from auditor.engine.caratheodory import reduce_support
 from auditor.engine.certify import check_convex, check_witnesses
 from auditor.engine.frank_wolfe import frank_wolfe
 from auditor.engine.head import EngineHead, build_engine_head, storage_dtype
 from auditor.engine.interior import interior_certificates
-from auditor.engine.lp import lp_decide, polish
+from auditor.engine.lp import affine_weights, lp_decide, polish
 from auditor.engine.screen import screen
 from auditor.engine.ties import duplicate_groups
 from auditor.engine.tilt import tilted_certificates
@@ -191,6 +194,10 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
             bar.update(1)
     timings["lp"] = time.perf_counter() - clock
 
+    clock = time.perf_counter()
+    _sparsify(head, out)
+    timings["sparsify"] = time.perf_counter() - clock
+
     _unscale(out, factor, head)
     _spread_to_groups(out, ids)
     out.timings = timings
@@ -245,6 +252,44 @@ def _set_convex(out: Decisions, k: int, indices, weights, residual: float, gap: 
     order = np.argsort(-weights, kind="stable")  # largest weights first: the main competitors
     out.convex[k] = (np.asarray(indices)[order], np.asarray(weights)[order], float(residual), float(gap))
     out.stage[k] = STAGES.index(stage)
+
+
+def _sparsify(head: EngineHead, out: Decisions) -> None:
+    """Replace every convex certificate on more than D rows by one on at most D (caratheodory.py).
+
+    The reduced weights must pass the same float64 check (re-solved on their
+    support by lp.polish when they do not at first); where they still fail, the
+    dense certificate stands. Rows near one another (mean-initialised rows all
+    sit at the centre) are first tried on a support that served an earlier row:
+    one small solve instead of a reduction.
+    """
+    dim = head.d + (2 if head.bias is not None else 1)
+    recent: list[np.ndarray] = []
+    for k, (indices, weights, _, _) in list(out.convex.items()):
+        if indices.size <= dim:
+            continue
+        found = None
+        for support in recent:
+            alpha = affine_weights(head, k, support)
+            if alpha is not None:
+                check = check_convex(head, k, support[alpha > 0], alpha[alpha > 0])
+                if check.accepted:
+                    found = support[alpha > 0], alpha[alpha > 0], check
+                    break
+        if found is None:
+            support, alpha = reduce_support(head, indices, weights)
+            check = check_convex(head, k, support, alpha)
+            if not check.accepted:
+                support, alpha, check = polish(head, k, support, alpha)
+            if not (check.accepted and support.size <= dim):
+                continue
+            found = support, alpha, check
+            recent = [support] + recent[:_RECENT_SUPPORTS - 1]
+        support, alpha, check = found
+        _set_convex(out, k, support, alpha, check.residual, check.bias_gap, STAGES[int(out.stage[k])])
+
+
+_RECENT_SUPPORTS = 4
 
 
 def _settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:

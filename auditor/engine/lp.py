@@ -122,6 +122,22 @@ def _witness_from(head: EngineHead, k: int, z: np.ndarray) -> np.ndarray:
     return z * scale
 
 
+def _affine_system(head: EngineHead, k: int, support: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(A, t) with A beta = t iff sum beta_i (w_i - w_k) = 0 and sum beta_i = 1 (scaled alike)."""
+    Y = (head.rows(support) - head.rows([k])[0]).T  # d x |S|
+    scale = max(float(np.abs(Y).max()), np.finfo(np.float64).tiny)
+    system = np.vstack([Y, np.full((1, support.size), scale)])
+    return system, np.concatenate([np.zeros(head.d), [scale]])
+
+
+def affine_weights(head: EngineHead, k: int, support: np.ndarray) -> np.ndarray | None:
+    """The least-squares affine combination of rows ``support`` that reproduces w_k, when it is
+    non-negative (a candidate convex certificate), else None."""
+    system, target = _affine_system(head, k, support)
+    beta = np.linalg.lstsq(system, target, rcond=None)[0]
+    return beta / beta.sum() if np.all(beta >= 0) and beta.sum() > 0 else None
+
+
 def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
     """Sharpen approximate convex weights into an exact combination on their support.
 
@@ -133,15 +149,10 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
     keep = weights > weights.max() * 1e-12
     support = indices[keep]
     candidates = [(support, weights[keep] / weights[keep].sum())]
-    rows = head.rows(support)
-    w_k = head.rows([k])[0]
-    Y = (rows - w_k).T  # d x |S|
-    scale = max(float(np.abs(Y).max()), np.finfo(np.float64).tiny)
-    system = np.vstack([Y, np.full((1, support.size), scale)])
-    target = np.concatenate([np.zeros(head.d), [scale]])
-    affine = np.linalg.lstsq(system, target, rcond=None)[0]
-    if np.all(affine >= 0) and affine.sum() > 0:
-        candidates.append((support, affine / affine.sum()))
+    affine = affine_weights(head, k, support)
+    if affine is not None:
+        candidates.append((support, affine))
+    system, target = _affine_system(head, k, support)
     # min ||Y b||^2 + (sum b - 1)^2 over b >= 0 has b* = t alpha* for the min-norm weights alpha*.
     beta = scipy.optimize.nnls(system, target, maxiter=50 * max(support.size, 10))[0]
     if beta.sum() > 0:

@@ -1,0 +1,84 @@
+"""Sparse certificates: every convex certificate rests on at most d + 1 rows (d + 2 with a bias),
+proves the same verdicts as before, and passes the independent re-check."""
+
+import numpy as np
+import pytest
+import torch
+
+import auditor
+from auditor.domain import Unbounded
+from auditor.engine.caratheodory import reduce_support
+from auditor.engine.head import build_engine_head
+from auditor.engine.ties import duplicate_groups
+from conftest import mean_initialised
+from oracles import lp_margin, qhull_argmaxable
+
+
+def anisotropic(rng, n, d, offset=0.3):
+    """Rows shaped like a trained head's: a decaying spectrum and a common offset."""
+    spectrum = np.arange(1, d + 1) ** -0.7
+    return (rng.standard_normal((n, d)) * spectrum + offset).astype(np.float32)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_reduction_keeps_the_combination_on_at_most_D_rows(rng, with_bias):
+    n, d = 700, 12
+    W = rng.standard_normal((n, d))
+    b = rng.standard_normal(n) if with_bias else None
+    head = build_engine_head(torch.from_numpy(W), None if b is None else torch.from_numpy(b),
+                             duplicate_groups(torch.from_numpy(W), None), Unbounded(), 1e-10)
+    alpha = rng.random(n)
+    alpha /= alpha.sum()
+    indices = np.arange(n)
+    support, weights = reduce_support(head, indices, alpha)
+    assert support.size <= d + (2 if with_bias else 1)
+    assert np.all(weights > 0) and abs(weights.sum() - 1) < 1e-12
+    assert np.linalg.norm(weights @ W[support] - alpha @ W) < 1e-11 * np.linalg.norm(alpha @ W)
+    if with_bias:
+        assert abs(weights @ b[support] - alpha @ b) < 1e-11
+
+
+def test_mean_initialised_rows_get_d_plus_one_rows_and_the_hull_oracle_agrees(rng):
+    W = anisotropic(rng, 600, 6)
+    W = np.vstack([W, mean_initialised(W, 3, rng)])
+    report = auditor.audit(W, progress=False)
+    assert set(report.ids("argmaxable")) == qhull_argmaxable(W.astype(np.float64))
+    assert {600, 601, 602} <= set(report.ids("unargmaxable"))
+    for k in report.ids("unargmaxable"):
+        token = report.tokens[k]
+        assert len(token.convex_indices) <= 7
+        assert np.all(token.convex_weights > 0)
+    assert auditor.verify(report, W).ok
+
+
+def test_certificates_with_a_bias_in_a_ball_rest_on_at_most_d_plus_two_rows(rng):
+    W = anisotropic(rng, 400, 5).astype(np.float64)
+    W = np.vstack([W, W.mean(axis=0) + 1e-6 * rng.standard_normal((2, 5))])
+    b = 0.1 * rng.standard_normal(402)
+    b[400:] = b[:400].min() - 1.0  # low biases: deep inside whatever the radius
+    report = auditor.audit(W, b, domain="ball:2", progress=False)
+    flagged = report.ids("unargmaxable")
+    assert {400, 401} <= set(flagged)
+    for k in flagged:
+        assert len(report.tokens[k].convex_indices) <= 7
+    assert auditor.verify(report, W, b).ok
+
+
+def test_sparse_certificates_on_a_larger_head_match_the_plain_lp(rng):
+    """Rows deep inside (interior stage, dense before reduction) and rows just inside (Newton stage)."""
+    d = 24
+    W = anisotropic(rng, 1500, d, offset=0.0)  # the origin inside: a shorter copy of a row is inside too
+    swallowed = [int(i) for i in rng.choice(1500, 3, replace=False)]
+    longer = (1.01 * W[swallowed]).astype(np.float32)
+    W = np.vstack([W, mean_initialised(W, 3, rng), longer])
+    report = auditor.audit(W, progress=False)
+    flagged = set(report.ids("unargmaxable"))
+    assert {1500, 1501, 1502} | set(swallowed) <= flagged
+    sample = sorted(flagged) + [int(k) for k in rng.choice(report.ids("argmaxable"), 5, replace=False)]
+    W64 = W.astype(np.float64)
+    for k in sample:
+        t, _, _ = lp_margin(W64, None, k)
+        assert (t <= 1e-9) == (k in flagged), k
+    for k in flagged:
+        assert len(report.tokens[k].convex_indices) <= d + 1
+    assert auditor.verify(report, W).ok
