@@ -6,6 +6,7 @@
 """
 
 from auditor.api import audit
+from auditor.certificates import Certificates, load_certificates
 from auditor.domain import Ball, Box, Norm, Unbounded, parse_domain
 from auditor.norm import FinalNorm
 from auditor.errors import AuditorError, InputError
@@ -15,6 +16,6 @@ from auditor.verify import Verification, verify
 __version__ = "0.1.0"
 
 __all__ = [
-    "audit", "verify", "AuditReport", "TokenVerdict", "Verification",
+    "audit", "verify", "load_certificates", "Certificates", "AuditReport", "TokenVerdict", "Verification",
     "Ball", "Box", "Norm", "Unbounded", "FinalNorm", "parse_domain", "AuditorError", "InputError", "__version__",
 ]

@@ -17,7 +17,31 @@ from pathlib import Path
 import auditor
 from auditor.errors import AuditorError, InputError
 from auditor.formats import FORMATS
+from auditor.baseline import Baseline
 from auditor.gate import EXIT_ERROR, AllowList, parse_fail_on, run_gate
+
+
+_EPILOG = """\
+exit codes:
+  0  no failing finding
+  1  failing findings: a verdict in --fail-on, not allowed (nor unchanged since --baseline)
+  2  usage, load or input error (one line on stderr; --debug shows the traceback)
+
+examples:
+  # audit a model folder and print a text report
+  audit model/
+  # the complete report as JSON, written atomically
+  audit model/ --format json --output report.json
+  # in CI: expected findings pass, every certificate is kept for re-checking
+  audit model/ --allow allow.txt --certificates certs.json --format markdown --output audit.md
+  # over the final norm's outputs; also flag tokens that can never reach probability 0.5
+  audit model/ --domain norm --ceiling 0.5
+  # fail only on findings that an earlier JSON report did not have
+  audit model/ --baseline base.json
+  # four shards (on four machines, or one after another), then one report
+  audit model/ --shard 1/4 --format json --output part1.json    # ... 2/4, 3/4, 4/4
+  audit-merge part1.json part2.json part3.json part4.json --format markdown
+"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,7 +51,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="audit", description="Find the tokens of a language model's head that can never be its "
-                                               "top prediction, and prove every verdict.")
+                                               "top prediction, and prove every verdict.",
+                     epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", type=Path, help="a checkpoint file (.safetensors, .bin/.pt, .npy/.npz, .gguf) or a model folder")
     parser.add_argument("--weight", metavar="NAME", help="the head's weight tensor (default: detected)")
     parser.add_argument("--bias", metavar="NAME", help="the head's bias tensor (default: detected; 'none' for no bias)")
@@ -49,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="verdicts that fail the run (default: unargmaxable,tied,inconclusive,low-ceiling; "
                              "'none' never fails)")
     parser.add_argument("--allow", type=Path, metavar="FILE", help="expected findings: token ids or exact token strings, one per line")
+    parser.add_argument("--baseline", type=Path, metavar="REPORT",
+                        help="an earlier --format json report of the same vocabulary (the base model, the last "
+                             "release): findings are marked new or unchanged, and only new ones fail")
     parser.add_argument("--certificates", type=Path, metavar="FILE", help="write every certificate as JSON, for re-checking")
     parser.add_argument("--list-tensors", action="store_true", help="list the checkpoint's 2-D tensors and exit")
     parser.add_argument("--quiet", action="store_true", help="no progress bars (they show only when stderr is a terminal)")
@@ -109,6 +137,7 @@ def write_atomically(files: dict[Path, str]) -> None:
     mask = os.umask(0)
     os.umask(mask)
     temporaries: dict[Path, str] = {}
+    path = None  # the file being written, for the error message
     try:
         for path, text in files.items():
             handle, temporary = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -123,7 +152,7 @@ def write_atomically(files: dict[Path, str]) -> None:
     except OSError as error:
         for temporary in temporaries.values():
             Path(temporary).unlink(missing_ok=True)
-        raise InputError(f"cannot write the report: {error.strerror or error}") from None
+        raise InputError(f"cannot write {path}: {error.strerror or error}") from None
     except BaseException:
         for temporary in temporaries.values():
             Path(temporary).unlink(missing_ok=True)
@@ -144,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list_tensors:
         sys.stdout.write(_list_tensors(args.path))
         return 0
+    if args.format == "html":  # its plots need matplotlib: say so before the audit, not after
+        auditor.formats.html.require_matplotlib()
     progress = not args.quiet and sys.stderr.isatty()  # bars in a terminal, never in CI logs
     for target in (args.output, args.certificates):
         if target is not None:
@@ -151,10 +182,14 @@ def run(args: argparse.Namespace) -> int:
     domain = auditor.parse_domain(args.domain)  # a typo should not cost a checkpoint load
     fail_on = parse_fail_on(args.fail_on)
     allow = AllowList.read(args.allow) if args.allow else None
+    baseline = Baseline.read(args.baseline) if args.baseline else None
     started = time.perf_counter()
     head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress)
     load_seconds = time.perf_counter() - started
-    tokens = parse_token_ids(args.tokens, head.shape[0]) if args.tokens else None
+    if baseline is not None:
+        baseline.check(head, domain)
+    # "--tokens ''" is a mistake to report, not a request to audit everything
+    tokens = parse_token_ids(args.tokens, head.shape[0]) if args.tokens is not None else None
     shard = None
     if args.shard:
         index, count, part = parse_shard(args.shard, head.shape[0])
@@ -174,7 +209,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--ceiling takes a probability in (0, 1], got {args.ceiling}")
     report = auditor.audit(head.weight, head.bias, domain=domain, device=args.device, tokens=tokens,
                            progress=progress, final_norm=final_norm, probability_ceiling=args.ceiling is not None)
-    result = run_gate(head, report, fail_on, allow, load_seconds, args.ceiling)
+    result = run_gate(head, report, fail_on, allow, load_seconds, args.ceiling, baseline)
+    for warning in result.warnings:
+        print(f"audit: warning: {warning}", file=sys.stderr)
     result.shard = shard
     rendered = FORMATS[args.format](result)
     files: dict[Path, str] = {}
@@ -190,20 +227,25 @@ def run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def guarded(prog: str, run, args: argparse.Namespace) -> int:
+    """``run(args)``, with every failure turned into one line on stderr and exit 2 (a traceback
+    only with --debug). Shared by the commands so that they fail alike."""
     try:
         return run(args)
     except AuditorError as error:
         if args.debug:
             raise
-        print(f"audit: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print("audit: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_ERROR
     except Exception as error:  # an unexpected failure still gets one line; --debug shows where
         if args.debug:
             raise
-        print(f"audit: error: {type(error).__name__}: {error} (run with --debug for the traceback)", file=sys.stderr)
+        print(f"{prog}: error: {type(error).__name__}: {error} (run with --debug for the traceback)", file=sys.stderr)
         return EXIT_ERROR
+
+
+def main(argv: list[str] | None = None) -> int:
+    return guarded("audit", run, build_parser().parse_args(argv))

@@ -50,7 +50,7 @@ class Ball:
         _check_radius(self.radius, "ball")
 
     def __str__(self) -> str:
-        return f"ball:{self.radius:g}"
+        return f"ball:{_exact(self.radius)}"
 
     def support(self, v: np.ndarray) -> float:
         return self.radius * float(np.linalg.norm(v))
@@ -74,7 +74,7 @@ class Box:
         _check_radius(self.radius, "box")
 
     def __str__(self) -> str:
-        return f"box:{self.radius:g}"
+        return f"box:{_exact(self.radius)}"
 
     def support(self, v: np.ndarray) -> float:
         return self.radius * float(np.abs(v).sum())
@@ -101,6 +101,12 @@ class Norm:
 
 
 Domain = Unbounded | Ball | Box | Norm
+
+
+def _exact(radius: float) -> str:
+    """The radius as written in reports: short, and read back as the very same float."""
+    short = f"{radius:g}"
+    return short if float(short) == radius else repr(float(radius))
 
 
 # Radii far from 1 would push products of weights and hidden states into overflow or underflow.

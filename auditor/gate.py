@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from auditor.baseline import Baseline
 from auditor.errors import InputError
 from auditor.head import Head
 from auditor.report import AuditReport
@@ -40,6 +41,9 @@ class Finding:
     bounds: tuple[float, float] | None = None
     probability_bounds: tuple[float, float] | None = None  # (reached, upper bound) of the softmax probability
     allowed: bool = False
+    explanation: str = ""  # what the certificate shows, in plain words (auditor/explain.py)
+    kind: str | None = None  # the explanation's category: "copy", "mean", "shorter copy", "hull", ...
+    baseline: str | None = None  # with --baseline: "new" or "unchanged"
 
 
 @dataclass
@@ -88,6 +92,17 @@ class AllowList:
     def allows(self, k: int, token: str | None) -> bool:
         return k in self.ids or (token is not None and token in self.strings)
 
+    def unused(self, findings: list[Finding], n_tokens: int) -> list[str]:
+        """Warnings for the entries that match no finding: stale entries hide nothing and mislead."""
+        ids = {f.id for f in findings}
+        strings = {f.token for f in findings if f.token is not None}
+        warnings = [f"allow-list entry {k} is not a token id of this head (0..{n_tokens - 1})"
+                    for k in sorted(self.ids) if k >= n_tokens]
+        warnings += [f"allow-list entry {k} matches no finding" for k in sorted(self.ids - ids) if k < n_tokens]
+        warnings += [f"allow-list entry {json.dumps(t, ensure_ascii=False)} matches no finding"
+                     for t in sorted(self.strings - strings)]
+        return warnings
+
 
 @dataclass
 class GateResult:
@@ -98,10 +113,14 @@ class GateResult:
     load_seconds: float = 0.0
     ceiling: float | None = None
     shard: dict | None = None  # {"index", "count", "first", "stop"} when the command ran one shard
+    summaries: list[str] = field(default_factory=list)  # one line per group of findings alike (explain.py)
+    baseline: dict | None = None  # with --baseline: {"path", "fixed": [{"id", "token", "verdict"}]}
+    warnings: list[str] = field(default_factory=list)  # e.g. allow-list entries that match no finding
 
     @property
     def failing(self) -> list[Finding]:
-        return [f for f in self.findings if f.verdict in self.fail_on and not f.allowed]
+        """Findings that fail the run: verdict in --fail-on, not allowed, and (with a baseline) new."""
+        return [f for f in self.findings if f.verdict in self.fail_on and not f.allowed and f.baseline != "unchanged"]
 
     @property
     def exit_code(self) -> int:
@@ -145,6 +164,15 @@ def collect_findings(head: Head, report: AuditReport, allow: AllowList | None = 
 
 
 def run_gate(head: Head, report: AuditReport, fail_on=DEFAULT_FAIL_ON, allow: AllowList | None = None,
-             load_seconds: float = 0.0, ceiling: float | None = None) -> GateResult:
-    return GateResult(head, report, collect_findings(head, report, allow, ceiling), frozenset(fail_on), load_seconds,
-                      ceiling)
+             load_seconds: float = 0.0, ceiling: float | None = None, baseline: Baseline | None = None) -> GateResult:
+    """Findings with their explanations, allow-list marks and (given a baseline) new/unchanged marks."""
+    from auditor.explain import explain
+
+    findings = collect_findings(head, report, allow, ceiling)
+    result = GateResult(head, report, findings, frozenset(fail_on), load_seconds, ceiling)
+    result.summaries = explain(head, report, findings)
+    if allow is not None:
+        result.warnings += allow.unused(findings, report.n_tokens)
+    if baseline is not None:
+        result.baseline = baseline.mark(findings, head, report)
+    return result

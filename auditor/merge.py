@@ -2,14 +2,17 @@
 
     audit --shard 1/4 --format json --output part1.json model/   # on four machines, or one after another
     ...
-    audit-merge part1.json part2.json part3.json part4.json [--output merged.json]
+    audit-merge part1.json part2.json part3.json part4.json [--format text|markdown|json] [--output merged.json]
 
 The shards must be the N parts of one run: the same head (path, tensors,
 shape, dtype), domain, --fail-on and tool version, every index 1..N exactly
 once. The merged report has the schema of a whole-vocabulary report
 (``"shard": null``, summed counts, all findings by id, per-stage times
-summed over the shards). Exit codes as for ``audit``: 0 clean, 1 failing
-findings, 2 when the shards do not fit together or cannot be read.
+summed over the shards, the summary lines of all shards each once, the
+warnings every shard gave, one baseline comparison) and prints as JSON
+(default), text or markdown, rendered by the same code as ``audit``'s
+reports. Exit codes as for ``audit``: 0 clean, 1 failing findings, 2 when
+the shards do not fit together or cannot be read.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import sys
 from pathlib import Path
 
 from auditor.errors import InputError
+from auditor.explain import summary_lines
+from auditor.formats import DOCUMENT_FORMATS
 from auditor.gate import EXIT_CLEAN, EXIT_ERROR, EXIT_FINDINGS
 
 _SAME = ("schema_version", "tool", "head", "domain", "fail_on", "ceiling")
@@ -38,6 +43,43 @@ def _read(path: Path) -> dict:
     if not isinstance(document.get("shard"), dict):
         raise InputError(f"{path}: not a shard (it was written without --shard I/N)")
     return document
+
+
+def _in_every(lists) -> list[str]:
+    """The lines every shard has, in the first shard's order.
+
+    Warnings are claims about the whole run, such as "allow-list entry 4004 matches no finding": a
+    shard that does not hold token 4004 says so even when another shard reports it, so a warning
+    stands only when no shard contradicts it."""
+    lists = [list(lines) for lines in lists]
+    return [line for line in dict.fromkeys(lists[0]) if all(line in lines for lines in lists[1:])]
+
+
+_BASELINE_COUNTS = ("new", "unchanged")  # per shard, so summed
+
+
+def _merge_baselines(documents: list[dict], names: list[str]) -> dict | None:
+    """One baseline comparison for the merged report: the shards' counts summed, their fixed findings
+    together (each shard lists those among its own tokens), everything else the same in every shard."""
+    baselines = [d.get("baseline") for d in documents]
+    if all(b is None for b in baselines):
+        return None
+
+    def shared(baseline):
+        return None if baseline is None else {k: v for k, v in baseline.items()
+                                              if k != "fixed" and k not in _BASELINE_COUNTS}
+
+    for name, baseline in zip(names, baselines):
+        if shared(baseline) != shared(baselines[0]):
+            raise InputError(f"{name}: its baseline differs from {names[0]}'s; run every shard with the same "
+                             "--baseline")
+    merged = dict(baselines[0])
+    for key in _BASELINE_COUNTS:
+        if key in merged:
+            merged[key] = sum(b.get(key, 0) for b in baselines)
+    fixed = {entry["id"]: entry for b in baselines for entry in b.get("fixed") or []}
+    merged["fixed"] = [fixed[k] for k in sorted(fixed)]
+    return merged
 
 
 def merge_reports(documents: list[dict], names: list[str] | None = None) -> dict:
@@ -74,19 +116,24 @@ def merge_reports(documents: list[dict], names: list[str] | None = None) -> dict
         for key, seconds in document.get("timing", {}).items():
             timing[key] = round(timing.get(key, 0.0) + seconds, 6)
     merged = {key: first[key] for key in first if key not in ("summary", "findings", "timing", "shard", "notes")}
-    merged.update(shard=None, summary=summary, findings=findings, notes=first.get("notes", []), timing=timing,
-                  merged_from=count)
+    merged.update(shard=None, summary=summary, findings=findings,
+                  summaries=summary_lines(findings, first["domain"]),  # groups that straddle shards, whole
+                  baseline=_merge_baselines(documents, names),
+                  warnings=_in_every(d.get("warnings", []) for d in documents),
+                  notes=first.get("notes", []), timing=timing, merged_from=count)
     return merged
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="audit-merge", description="Merge the JSON reports of audit --shard I/N.")
     parser.add_argument("reports", nargs="+", type=Path, help="the N shard reports (audit --shard I/N --format json)")
+    parser.add_argument("--format", choices=sorted(DOCUMENT_FORMATS), default="json",
+                        help="report format (default: json)")
     parser.add_argument("--output", type=Path, metavar="FILE", help="write the merged report to FILE (atomically)")
     args = parser.parse_args(argv)
     try:
         merged = merge_reports([_read(path) for path in args.reports], [str(path) for path in args.reports])
-        text = json.dumps(merged, indent=2, allow_nan=False) + "\n"
+        text = DOCUMENT_FORMATS[args.format](merged)
         if args.output:
             from auditor._cli import check_writable, write_atomically
 

@@ -12,6 +12,7 @@ from auditor.engine import STAGES, TIED, UNDECIDED, VERDICT_NAMES, Decisions
 
 VERDICTS = ("argmaxable", "unargmaxable", "tied", "inconclusive", "undecided")
 SCHEMA_VERSION = 1
+CERTIFICATES_KIND = "auditor-certificates"  # what to_dict's document is; load_certificates refuses other kinds
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,17 @@ class AuditReport:
         tally = np.bincount(self._d.verdict, minlength=len(VERDICT_NAMES))
         return {name: int(tally[VERDICT_NAMES.index(name)]) for name in VERDICTS}
 
+    def margins(self) -> np.ndarray:
+        """Every token's witness margin (float64, NaN where there is none), without building TokenVerdicts."""
+        return np.array(self._d.margin, dtype=np.float64)
+
+    def ceilings(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every token's probability ceiling as (reached, upper bound) arrays; NaN where not computed."""
+        lower, upper = np.full(self.n_tokens, np.nan), np.full(self.n_tokens, np.nan)
+        for k, (reached, bound, _) in self._d.ceiling.items():
+            lower[k], upper[k] = reached, bound
+        return lower, upper
+
     def witness(self, k: int) -> np.ndarray | None:
         """The witness z (in the norm domain: the norm's output), or None."""
         y = self._engine_witness(k)
@@ -219,8 +231,12 @@ class AuditReport:
                                             "point": [float(v) for v in token.probability_point]}
             tokens.append(entry)
         norm = self._norm_map.norm if self._norm_map is not None else None
+        from auditor import __version__  # at call time: the package imports this module before it sets the version
+
         return {
             "schema_version": SCHEMA_VERSION,
+            "kind": CERTIFICATES_KIND,
+            "tool": {"name": "auditor", "version": __version__},
             "final_norm": None if norm is None else {"kind": norm.kind, "eps": norm.eps, "unit_offset": norm.unit_offset},
             "head": {"n_tokens": self.n_tokens, "hidden_size": self.hidden_size, "dtype": self.dtype,
                      "bias": self.has_bias},

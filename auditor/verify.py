@@ -17,6 +17,10 @@ Nothing here reuses the engine: plain float64 numpy on the caller's weights.
 
 The head is first rescaled by an exact power of two (logits scale with it, so
 every sign is unchanged) to keep norms and products away from overflow.
+
+What is checked may be an AuditReport, the Certificates of a certificates file
+(``auditor.load_certificates``), or that file's parsed JSON; formula witnesses
+of a file are evaluated on the weight given here, before the rescaling.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from auditor.certificates import Certificates, parse_certificates
 from auditor.domain import Ball, Box
 from auditor.report import AuditReport
 
@@ -46,12 +51,20 @@ def _norm(x: np.ndarray, axis=None):
 
 @dataclass
 class Verification:
+    """``checked`` certificates re-checked; ``failed`` the sorted ids whose certificate does not hold,
+    ``reasons[k]`` what failed for each (tie, missing certificate, witness, convex weights)."""
+
     checked: int = 0
     failed: list[int] = field(default_factory=list)
+    reasons: dict[int, list[str]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    def fail(self, k: int, reason: str) -> None:
+        self.failed.append(k)
+        self.reasons.setdefault(k, []).append(reason)
 
 
 def _as_float64(array) -> np.ndarray:
@@ -79,14 +92,22 @@ def _normalise(x: np.ndarray, kind: str, gain: np.ndarray, shift: np.ndarray, ep
     return gain * x / math.sqrt(float(x @ x) / x.shape[0] + eps) + shift
 
 
-def verify(report: AuditReport, weight, bias=None, final_norm=None, chunk: int = 512) -> Verification:
+def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_norm=None,
+           chunk: int = 512) -> Verification:
     """Check every certificate in ``report`` against ``weight`` and ``bias``; returns a Verification.
 
-    A report of the ``norm`` domain needs the same ``final_norm``: its witnesses
-    are re-derived by normalising their pre-norm vectors here.
+    ``report`` is an AuditReport, Certificates, or the parsed JSON of a
+    certificates file. A report of the ``norm`` domain needs the same
+    ``final_norm``: its witnesses are re-derived by normalising their pre-norm
+    vectors here. Raises InputError for a malformed certificates document or a
+    weight of another shape than the file's head.
     """
     W = _as_float64(weight)
     b = _as_float64(bias) if bias is not None else np.zeros(W.shape[0])
+    if isinstance(report, dict):
+        report = parse_certificates(report)
+    if isinstance(report, Certificates):
+        report = report.resolve(W)  # on the rows as given: the witness is a point of the caller's space
     norm = None
     if str(report.domain) == "norm":
         if final_norm is None:
@@ -104,18 +125,24 @@ def verify(report: AuditReport, weight, bias=None, final_norm=None, chunk: int =
     group = {t.id: set(t.tied_with) for t in tokens if t.tied_with}
     for k, others in group.items():  # a tie is itself a claim: equal logits wherever the domain reaches
         result.checked += 1
-        if not all(_tied(W, b, k, j, norm) for j in others):
-            result.failed.append(k)
+        untied = [j for j in sorted(others) if not _tied(W, b, k, j, norm)]
+        if untied:
+            result.fail(k, f"tie: not the same logits as {', '.join(map(str, untied))}")
+
+    # In the norm domain a win is certified by the hidden state before the norm; elsewhere by z itself.
+    def point(token):
+        return token.pre_norm if norm is not None else token.witness
 
     for token in tokens:  # every decided verdict must carry the certificate it claims
         claim = token.group_verdict if token.verdict == "tied" else token.verdict
-        missing = ((claim == "argmaxable" and token.witness is None)
-                   or (claim == "unargmaxable" and token.convex_indices is None))
-        if missing:
+        if claim == "argmaxable" and point(token) is None:
             result.checked += 1
-            result.failed.append(token.id)
+            result.fail(token.id, f"missing certificate: no {'witness' if norm is None else 'pre_norm'}")
+        elif claim == "unargmaxable" and token.convex_indices is None:
+            result.checked += 1
+            result.fail(token.id, "missing certificate: no convex weights")
 
-    with_witness = [t.id for t in tokens if t.witness is not None]
+    with_witness = [t.id for t in tokens if point(t) is not None]
     abs_W = np.abs(W)
     for start in range(0, len(with_witness), chunk):
         ks = np.array(with_witness[start:start + chunk])
@@ -135,8 +162,13 @@ def verify(report: AuditReport, weight, bias=None, final_norm=None, chunk: int =
                 wins[j, other] = True
         for j, k in enumerate(ks.tolist()):
             result.checked += 1
-            if not (_inside(report.domain, Z[j]) and wins[j].all()):
-                result.failed.append(k)
+            if not np.all(np.isfinite(Z[j])):
+                result.fail(k, "witness: not a finite vector")
+            elif not _inside(report.domain, Z[j]):
+                result.fail(k, f"witness: outside the {report.domain} domain")
+            elif not wins[j].all():
+                rival = int(np.argmin(np.where(wins[j], np.inf, diff[j] - tolerance[j])))
+                result.fail(k, f"witness: does not beat token {rival} beyond rounding")
 
     tol = report.tolerances["residual_tol"]
     views = [(report.domain, W, b, _typical_row_norm(W, b))]
@@ -150,9 +182,10 @@ def verify(report: AuditReport, weight, bias=None, final_norm=None, chunk: int =
         if token.convex_indices is None:
             continue
         result.checked += 1
-        if not any(_convex_ok(domain, rows, bias_, token, group.get(token.id, set()), tol, typical)
-                   for domain, rows, bias_, typical in views):
-            result.failed.append(token.id)
+        why = [_convex_failure(domain, rows, bias_, token, group.get(token.id, set()), tol, typical)
+               for domain, rows, bias_, typical in views]
+        if all(why):  # every view fails; the first (the domain as given) says why
+            result.fail(token.id, f"convex weights: {why[0]}")
     result.failed = sorted(set(result.failed))
     return result
 
@@ -203,14 +236,19 @@ def _inside(domain, z: np.ndarray) -> bool:
     return True
 
 
-def _convex_ok(domain, W, b, token, group: set, tol: float, typical: float) -> bool:
+def _convex_failure(domain, W, b, token, group: set, tol: float, typical: float) -> str | None:
+    """Why the convex weights do not certify the token in this view; None when they do."""
     k = token.id
     idx = np.asarray(token.convex_indices, dtype=np.int64)
     alpha = np.asarray(token.convex_weights, dtype=np.float64)
-    if idx.size == 0 or np.any(alpha < 0) or k in idx or group.intersection(idx.tolist()):
-        return False
+    if idx.size == 0:
+        return "no rows"
+    if not np.all(alpha >= 0):  # NaN fails too
+        return "a negative weight"
+    if k in idx or group.intersection(idx.tolist()):
+        return "the combination uses the token itself or a copy of it"
     if abs(alpha.sum() - 1.0) > 1e-12:
-        return False
+        return f"the weights sum to {alpha.sum():.17g}, not 1"
     d = W.shape[1]
     s = idx.size
     rows = W[idx]
@@ -228,10 +266,18 @@ def _convex_ok(domain, W, b, token, group: set, tol: float, typical: float) -> b
         gap = (float(b[k] - alpha @ b[idx]) + 2 * _gamma(s + 2) * float(alpha @ np.abs(b[idx]))
                + (abs(alpha.sum() - 1.0) + _gamma(s)) * abs(float(b[k])) + 4 * _ETA)
     hull = residual <= tol * max(r_k, typical) and gap <= 0
-    if not domain.bounded:
-        return hull
-    if isinstance(domain, Ball):
-        support = domain.radius * residual
-    else:
-        support = domain.radius * (float(np.abs(offset).sum()) * (1 + _gamma(d)) + math.sqrt(d) * slack)
-    return hull or support + gap <= 0
+    if hull:
+        return None
+    unit = max(r_k, typical) or 1.0
+    if domain.bounded:
+        if isinstance(domain, Ball):
+            support = domain.radius * residual
+        else:
+            support = domain.radius * (float(np.abs(offset).sum()) * (1 + _gamma(d)) + math.sqrt(d) * slack)
+        if support + gap <= 0:
+            return None
+        return "the dual value is positive, and the residual or bias gap too large for the hull test"
+    # relative to the row's norm: the head was rescaled above, the file's numbers were not
+    if residual > tol * max(r_k, typical):
+        return f"the residual is {residual / unit:.3g} of the row norm, above the tolerance {tol:g}"
+    return f"the bias gap is positive ({gap / unit:.3g} of the row norm)"

@@ -52,23 +52,70 @@ def resized(real_folder, tmp_path_factory):
     return folder, tensors
 
 
-def test_real_model_folder_passes(real_folder):
-    done = audit_cli(real_folder, "--format", "json", "--quiet")
+@pytest.fixture(scope="module")
+def base_report(real_folder, tmp_path_factory):
+    """The JSON report of the real folder, as a release pipeline keeps it for --baseline."""
+    path = tmp_path_factory.mktemp("base") / "base.json"
+    done = audit_cli(real_folder, "--format", "json", "--quiet", "--output", path)
     assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    return path
+
+
+@pytest.fixture(scope="module")
+def resized_report(resized, tmp_path_factory):
+    """(JSON report, certificates) of the resized folder."""
+    folder, _ = resized
+    out = tmp_path_factory.mktemp("resized-report")
+    done = audit_cli(folder, "--format", "json", "--quiet", "--output", out / "report.json",
+                     "--certificates", out / "certificates.json")
+    assert done.returncode == 1, done.stderr
+    return (json.loads((out / "report.json").read_text()), json.loads((out / "certificates.json").read_text()),
+            out / "report.json")
+
+
+def test_real_model_folder_passes(base_report):
+    report = json.loads(base_report.read_text())
     assert report["summary"]["argmaxable"] == 30522 and report["findings"] == []
     assert report["head"]["weight"] == "embeddings.word_embeddings.weight" and report["head"]["tied"] is True
 
 
-def test_resized_copy_fails_with_exactly_the_added_and_copied_rows(resized):
-    folder, _ = resized
-    done = audit_cli(folder, "--format", "json", "--quiet")
-    assert done.returncode == 1, done.stderr
-    assert findings(done) == {**{k: "unargmaxable" for k in ADDED}, COPY_OF: "tied", COPY: "tied"}
-    report = json.loads(done.stdout)
+def test_resized_copy_fails_with_exactly_the_added_and_copied_rows(resized_report):
+    report, _, _ = resized_report
+    assert {f["id"]: f["verdict"] for f in report["findings"]} == {**{k: "unargmaxable" for k in ADDED},
+                                                                   COPY_OF: "tied", COPY: "tied"}
     by_id = {f["id"]: f for f in report["findings"]}
     assert by_id[COPY_OF]["token"] is not None and by_id[COPY]["token"] is None  # beyond the tokenizer
     assert any("have no token string" in note for note in report["notes"])
+
+
+def test_resized_findings_are_explained_and_certified_on_at_most_d_plus_one_rows(resized_report):
+    report, certificates, _ = resized_report
+    by_id = {f["id"]: f for f in report["findings"]}
+    for k in ADDED:
+        assert by_id[k]["kind"] == "mean"
+        assert by_id[k]["explanation"].startswith("at the mean of all rows (mean-initialised)")
+    assert by_id[COPY]["explanation"].startswith(f"copy of row {COPY_OF} ")
+    assert by_id[COPY_OF]["explanation"].startswith(f"copied as row {COPY}: they always tie")
+    assert (f"4 rows at the mean of all rows: {ADDED[0]}–{ADDED[-1]}, typical of a vocabulary resized with "
+            "mean initialisation") in report["summaries"]
+    convex = [t["convex"] for t in certificates["tokens"] if t.get("convex")]
+    assert len(convex) == len(ADDED)  # the copied pair can win as a group: it has a witness, not weights
+    assert max(len(c["indices"]) for c in convex) <= 384 + 1
+
+
+def test_baseline_of_the_base_model_fails_only_on_the_new_rows(resized, base_report):
+    folder, _ = resized
+    done = audit_cli(folder, "--format", "json", "--quiet", "--baseline", base_report)
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    assert {f["id"] for f in report["findings"] if f["failing"]} == {*ADDED, COPY_OF, COPY}
+    assert {f["baseline"] for f in report["findings"]} == {"new"}
+
+
+def test_baseline_of_its_own_report_passes(resized, resized_report):
+    folder, _ = resized
+    done = audit_cli(folder, "--quiet", "--baseline", resized_report[2])
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_allow_list_of_ids_and_token_strings_passes_the_gate(resized, tmp_path, real_folder):

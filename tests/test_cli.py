@@ -1,12 +1,18 @@
 """The ``audit`` command on the committed fixtures: exit codes, text and JSON."""
 
+import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
+
+from auditor._cli import write_atomically
+from auditor.errors import InputError
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -58,3 +64,30 @@ def test_nan_weights_name_the_row_and_exit_two(tmp_path):
     save_file({"weight": weight}, str(path))
     done = run(path)
     assert done.returncode == 2 and "rows 3" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_empty_token_list_is_an_error_not_the_whole_vocabulary():
+    for empty in ("", " , "):
+        done = run(FIXTURES / "seed_2d.safetensors", "--tokens", empty, "--quiet")
+        assert done.returncode == 2 and "--tokens: no token ids given" in done.stderr, repr(empty)
+        assert done.stdout == ""
+
+
+def test_help_ends_with_the_exit_codes_and_examples():
+    done = run("--help")
+    assert done.returncode == 0
+    epilog = done.stdout[done.stdout.index("exit codes:"):]
+    for line in ("0  no failing finding", "1  failing findings", "2  usage, load or input error"):
+        assert line in epilog
+    assert "audit model/ --domain norm --ceiling 0.5" in epilog and "audit-merge part1.json" in epilog
+
+
+def test_a_failed_write_names_the_file_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    def refuse(source, target):  # as a rename into a folder we may not write to fails (root passes access checks)
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    target = tmp_path / "report.md"
+    with pytest.raises(InputError, match=f"cannot write {target}: Permission denied"):
+        write_atomically({target: "# report\n"})
+    assert list(tmp_path.iterdir()) == []

@@ -1,4 +1,7 @@
-"""JSON for machines: a stable schema (see README) with one object per finding."""
+"""JSON for machines: a stable schema (see README) with one object per finding.
+
+``document(result)`` is the report as a dict; the text and markdown formats render from it too, so a
+merged report (audit-merge has only the shards' documents) looks like a whole-vocabulary one."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import json
 import math
 
 import auditor
+from auditor.baseline import vocabulary_fingerprint
 from auditor.gate import GateResult
 
 SCHEMA_VERSION = 1
@@ -15,23 +19,26 @@ def _number(value):
     return float(value) if value is not None and math.isfinite(value) else None
 
 
-def render(result: GateResult) -> str:
+def document(result: GateResult) -> dict:
+    """The JSON report of a gate result (schema_version 1; fields are only ever added)."""
     head, report = result.head, result.report
     norm = head.final_norm
-    document = {
+    failing = {id(f) for f in result.failing}  # the gate decides what fails; the document records it
+    return {
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "auditor", "version": auditor.__version__},
         "head": {
             "path": str(head.path) if head.path else None,
             "format": head.source_format,
             "weight": head.weight_name,
-            "bias": head.bias_name,
+            "bias": head.bias_name or ("bias" if head.bias is not None else None),
             "shape": list(head.shape),
             "dtype": head.dtype,
             "tied": head.tied,
             "final_norm": {"kind": norm.kind, "tensors": list(norm.names), "eps": norm.eps,
                            "unit_offset": norm.unit_offset} if norm else None,
-            "token_strings": head.token_source,
+            "token_strings": head.token_source or ("given" if head.tokens is not None else None),
+            "vocabulary_sha256": vocabulary_fingerprint(head),  # lets --baseline tell one vocabulary from another
         },
         "domain": str(report.domain),
         "shard": result.shard,
@@ -54,11 +61,26 @@ def render(result: GateResult) -> str:
                 "max_probability": None if f.probability_bounds is None else {
                     "lower": f.probability_bounds[0], "upper": f.probability_bounds[1]},
                 "allowed": f.allowed,
+                "failing": id(f) in failing,
+                "explanation": f.explanation,
+                "kind": f.kind,
+                "baseline": f.baseline,
             }
             for f in result.findings
         ],
+        "summaries": list(result.summaries),
+        "baseline": result.baseline,
+        "warnings": list(result.warnings),
         "notes": head.notes,
         "timing": {"load_s": round(result.load_seconds, 6),
                    **{f"{name}_s": round(seconds, 6) for name, seconds in report.timings.items()}},
     }
-    return json.dumps(document, indent=2, allow_nan=False) + "\n"
+
+
+def dumps(doc: dict) -> str:
+    """A document as the JSON text the command writes."""
+    return json.dumps(doc, indent=2, allow_nan=False) + "\n"
+
+
+def render(result: GateResult) -> str:
+    return dumps(document(result))

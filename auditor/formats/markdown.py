@@ -1,11 +1,14 @@
-"""Markdown, for pull-request comments and model cards."""
+"""Markdown, for pull-request comments and model cards: the head, the counts, one table per verdict."""
 
 from __future__ import annotations
 
 import html
 import re
 
-from auditor.formats._common import competitors, evidence, head_lines, token_label
+from auditor.formats import json_format
+from auditor.formats._common import (competitors, dual_bound_legend, evidence, failing_line, fixed_line,
+                                     grouped_findings, has_token_strings, head_lines, left_out_line, token_label,
+                                     verdict_counts)
 from auditor.gate import GateResult
 
 
@@ -15,23 +18,46 @@ def _cell(text: str) -> str:
     return re.sub(r"([\\`*_\[\]|~#])", r"\\\1", text)
 
 
-def render(result: GateResult) -> str:
-    status = "fails" if result.failing else "passes"
+def render_document(doc: dict) -> str:
+    """The markdown report of a JSON document (json_format.document, or a merged one)."""
+    status = "fails" if doc["summary"]["failing"] else "passes"
     out = [f"## Argmaxability audit: {status}", "", "| | |", "| --- | --- |"]
-    out += [f"| {label} | {_cell(value)} |" for label, value in head_lines(result)]
-    counts = result.report.counts
+    out += [f"| {label} | {_cell(value)} |" for label, value in head_lines(doc)]
     out += ["", "| verdict | tokens |", "| --- | ---: |"]
-    out += [f"| {name} | {count} |" for name, count in counts.items() if count]
-    if result.head.notes:
-        out += [""] + [f"> {_cell(note)}" for note in result.head.notes]
-    with_tokens = result.head.tokens is not None
-    if result.findings:
-        out += ["", "| id | token | verdict | evidence | main competitors (weight) | allowed |",
-                "| ---: | --- | --- | --- | --- | --- |"]
-        for f in result.findings:
-            token = _cell(token_label(f.token)) if with_tokens else ""
-            out.append(f"| {f.id} | {token} | {f.verdict} | {_cell(evidence(f))} | "
-                       f"{_cell(competitors(f, with_tokens))} | {'yes' if f.allowed else ''} |")
-    else:
+    out += [f"| {name} | {count} |" for name, count in verdict_counts(doc).items()]
+    if doc.get("summaries"):
+        out += [""] + [f"- {_cell(line)}" for line in doc["summaries"]]
+    if doc.get("notes"):
+        out += [""] + [f"> {_cell(note)}" for note in doc["notes"]]
+    for warning in doc.get("warnings", []):  # one blockquote each: consecutive quoted lines would run together
+        out += ["", f"> **warning:** {_cell(warning)}"]
+    with_tokens = has_token_strings(doc)
+    with_baseline = doc.get("baseline") is not None
+    groups = grouped_findings(doc)
+    for verdict, listed, left_out in groups:
+        header = "| id | token | verdict | evidence | main competitors (weight) | allowed |"
+        rule = "| ---: | --- | --- | --- | --- | --- |"
+        if with_baseline:
+            header, rule = header + " baseline |", rule + " --- |"
+        out += ["", f"### {verdict} ({len(listed) + len(left_out)})", "", header, rule]
+        for f in listed:
+            token = _cell(token_label(f["token"])) if with_tokens else ""
+            row = (f"| {f['id']} | {token} | {f['verdict']} | {_cell(evidence(f, doc))} | "
+                   f"{_cell(competitors(f, with_tokens))} | {'yes' if f['allowed'] else ''} |")
+            out.append(row + (f" {f.get('baseline') or ''} |" if with_baseline else ""))
+        if left_out:
+            out += ["", f"*{_cell(left_out_line(verdict, left_out, doc))}*"]
+    if not groups:
         out += ["", "No token is unargmaxable, tied or inconclusive."]
+    legend = dual_bound_legend(doc)
+    if legend:
+        out += ["", _cell(legend)]
+    fixed = fixed_line(doc)
+    if fixed:
+        out += ["", _cell(fixed)]
+    out += ["", _cell(failing_line(doc))]
     return "\n".join(out) + "\n"
+
+
+def render(result: GateResult) -> str:
+    return render_document(json_format.document(result))

@@ -1,25 +1,69 @@
-"""Plain text for a terminal: the head, the counts, then one line per finding."""
+"""Plain text for a terminal: the head, the counts, then the findings, grouped by verdict."""
 
 from __future__ import annotations
 
-from auditor.formats._common import competitors, evidence, head_lines, token_label
+import re
+import textwrap
+
+from auditor.formats import json_format
+from auditor.formats._common import (competitors, dual_bound_legend, evidence, failing_line, fixed_line,
+                                     grouped_findings, has_token_strings, head_lines, left_out_line,
+                                     token_label, verdict_counts)
 from auditor.gate import GateResult
+
+# the evidence column is as wide as its longest entry within these bounds; a longer explanation wraps
+# onto the following lines of its column, so the competitors stay in line
+_EVIDENCE_WIDTH = (26, 48)
+
+
+def _wrapped(evidence_text: str, width: int) -> list[str]:
+    """The evidence cut into lines of the column, never inside "residual 2.7e-14" or "group argmaxable"."""
+    # textwrap breaks only at ASCII whitespace: a NUL, which no explanation holds, keeps a space unbroken
+    glued = re.sub(r"(?<=\w) (?=-?\d)|(?<=dual) (?=bound)|(?<=group) (?=\w)", "\0", evidence_text)
+    pieces = textwrap.wrap(glued, width, break_on_hyphens=False) or [""]
+    return [piece.replace("\0", " ") for piece in pieces]
+
+
+def _tags(finding: dict) -> str:
+    """[allowed], and with a baseline [new] or [unchanged]."""
+    tags = (["allowed"] if finding["allowed"] else []) + ([finding["baseline"]] if finding.get("baseline") else [])
+    return "".join(f"  [{tag}]" for tag in tags)
+
+
+def render_document(doc: dict) -> str:
+    """The text report of a JSON document (json_format.document, or a merged one)."""
+    lines = [f"{label:<8} {value}" for label, value in head_lines(doc)]
+    lines.append(f"{'verdicts':<8} " + ", ".join(f"{name} {count}" for name, count in verdict_counts(doc).items()))
+    lines += [f"{'summary':<8} {line}" for line in doc.get("summaries", [])]
+    lines += [f"{'note':<8} {note}" for note in doc.get("notes", [])]
+    lines += [f"{'warning':<8} {warning}" for warning in doc.get("warnings", [])]
+    with_tokens = has_token_strings(doc)
+    groups = grouped_findings(doc)
+    if groups:
+        shown = [f for _, listed, _ in groups for f in listed]
+        narrowest, widest = _EVIDENCE_WIDTH
+        width = max([narrowest] + [min(len(evidence(f, doc)), widest) for f in shown])
+        token_header = f"{'token':<18} " if with_tokens else ""
+        lines += ["", f"{'id':>8}  {token_header}{'verdict':<13} {'evidence':<{width}} main competitors (weight)"]
+        indent = " " * (10 + len(token_header) + 14)  # where the evidence column starts
+        for verdict, listed, left_out in groups:
+            for f in listed:
+                token = f"{token_label(f['token']):<18} " if with_tokens else ""
+                first, *rest = _wrapped(evidence(f, doc), width)
+                lines.append(f"{f['id']:>8}  {token}{f['verdict']:<13} {first:<{width}} "
+                             f"{competitors(f, with_tokens)}{_tags(f)}".rstrip())
+                lines += [indent + piece for piece in rest]
+            if left_out:
+                lines.append(f"{'':>8}  {left_out_line(verdict, left_out, doc)}")
+        legend = dual_bound_legend(doc)
+        if legend:
+            lines += [""] + textwrap.wrap(legend, 100)
+    fixed = fixed_line(doc)
+    if fixed:
+        lines += ["", fixed]
+    lines += ["", failing_line(doc)]
+    return "\n".join(lines) + "\n"
 
 
 def render(result: GateResult) -> str:
-    lines = [f"{label:<8} {value}" for label, value in head_lines(result)]
-    counts = result.report.counts
-    lines.append(f"{'verdicts':<8} " + ", ".join(f"{name} {count}" for name, count in counts.items() if count))
-    lines += [f"{'note':<8} {note}" for note in result.head.notes]
-    with_tokens = result.head.tokens is not None
-    if result.findings:
-        token_header = f"{'token':<18} " if with_tokens else ""
-        lines += ["", f"{'id':>8}  {token_header}{'verdict':<13} {'evidence':<26} main competitors (weight)"]
-        for f in result.findings:
-            mark = "  [allowed]" if f.allowed else ""
-            token = f"{token_label(f.token):<18} " if with_tokens else ""
-            lines.append(f"{f.id:>8}  {token}{f.verdict:<13} {evidence(f):<26} {competitors(f, with_tokens)}{mark}")
-    failing = len(result.failing)
-    lines += ["", f"{failing} failing finding{'s' if failing != 1 else ''}"
-                  + (f" ({len(result.findings) - failing} allowed or not in --fail-on)" if len(result.findings) > failing else "")]
-    return "\n".join(lines) + "\n"
+    return render_document(json_format.document(result))

@@ -13,8 +13,14 @@ def read_token_strings(folder: Path, notes: list[str]) -> tuple[list[str] | None
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            notes.append("tokenizer.json found but the tokenizers package is not installed: "
-                         "pip install 'auditor[tokens]' to show token strings")
+            # what to say depends on whether vocab.txt still gives the strings
+            if vocab_txt.is_file():
+                notes.append("token strings come from vocab.txt: the tokenizers package is not installed, so "
+                             "tokenizer.json is not read; pip install 'auditor[tokens]' to read it (it also "
+                             "knows the added tokens)")
+            else:
+                notes.append("tokenizer.json found but the tokenizers package is not installed: "
+                             "pip install 'auditor[tokens]' to show token strings")
         else:
             try:
                 tokenizer = Tokenizer.from_file(str(tokenizer_json))

@@ -1,0 +1,94 @@
+"""``--baseline REPORT.json``: which findings are new since an earlier report of the same vocabulary.
+
+A finding is *unchanged* when the baseline has the same token id with the same
+verdict, and *new* otherwise (a tie that became unargmaxable is new); the
+baseline's findings that are gone are *fixed*. Only new findings fail the gate.
+
+The baseline must describe the same vocabulary: the same number of rows, or
+fewer when this head extends it (``resize_token_embeddings`` appends rows), in
+which case the token strings of the baseline's ids must be the very same
+(the JSON report records a hash of them). Another vocabulary or another domain
+is an error, since comparing ids across them would mean nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from auditor.errors import InputError
+
+
+def vocabulary_fingerprint(head, size: int | None = None) -> str | None:
+    """sha256 of the token strings of ids 0..size-1 (JSON-encoded), or None when the head has none."""
+    if head.tokens is None:
+        return None
+    size = head.shape[0] if size is None else size
+    strings = [head.token(k) for k in range(size)]
+    if all(s is None for s in strings):
+        return None
+    return hashlib.sha256(json.dumps(strings, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+@dataclass
+class Baseline:
+    path: Path
+    document: dict
+
+    @classmethod
+    def read(cls, path: Path) -> Baseline:
+        """Read a JSON report written by ``audit --format json`` (or ``audit-merge``)."""
+        try:
+            document = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise InputError(f"--baseline {path}: no such file") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise InputError(f"--baseline {path}: not a JSON report ({error})") from None
+        if not isinstance(document, dict) or not {"summary", "findings", "head", "domain"} <= document.keys():
+            certificates = isinstance(document, dict) and (document.get("kind") == "auditor-certificates"
+                                                           or "tokens" in document)
+            hint = " (it is a certificates file)" if certificates else ""
+            raise InputError(f"--baseline {path}: not a JSON report of audit{hint}; write one with "
+                             "audit --format json --output FILE")
+        if document.get("shard"):
+            raise InputError(f"--baseline {path}: a report of one shard covers part of the vocabulary; "
+                             "merge the shards with audit-merge first")
+        return cls(Path(path), document)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.document["summary"]["n_tokens"])
+
+    def check(self, head, domain) -> None:
+        """Refuse a baseline of another vocabulary or domain (before any work is done)."""
+        if self.document["domain"] != str(domain):
+            raise InputError(f"--baseline {self.path}: its domain is {self.document['domain']}, this audit's is "
+                             f"{domain}; compare reports of the same domain")
+        n, old = head.shape[0], self.n_tokens
+        recorded = self.document["head"].get("vocabulary_sha256")
+        if n == old:
+            if recorded and vocabulary_fingerprint(head) not in (None, recorded):
+                raise InputError(f"--baseline {self.path}: same size but other token strings; "
+                                 "it is a report of another vocabulary")
+            return
+        extends = n > old and recorded is not None and vocabulary_fingerprint(head, old) == recorded
+        if not extends:
+            raise InputError(f"--baseline {self.path}: a vocabulary of {old} tokens, this head has {n}"
+                             + (" and its first token strings differ" if n > old and recorded else "")
+                             + "; compare reports of the same vocabulary (a resized one must keep the "
+                               "baseline's token strings)")
+
+    def mark(self, findings, head, report) -> dict:
+        """Mark each finding new or unchanged; return the summary the report shows."""
+        before = {(f["id"], f["verdict"]) for f in self.document["findings"]}
+        for finding in findings:
+            finding.baseline = "unchanged" if (finding.id, finding.verdict) in before else "new"
+        now = {(f.id, f.verdict) for f in findings}
+        decided = set(range(report.n_tokens)) - set(report.ids("undecided"))
+        fixed = [{"id": f["id"], "token": f.get("token"), "verdict": f["verdict"]}
+                 for f in self.document["findings"] if (f["id"], f["verdict"]) not in now and f["id"] in decided]
+        new = sum(f.baseline == "new" for f in findings)
+        return {"path": str(self.path), "n_tokens": self.n_tokens, "new": new, "unchanged": len(findings) - new,
+                "fixed": fixed}

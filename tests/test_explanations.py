@@ -1,0 +1,87 @@
+"""Findings explained in plain words: each cause is named, with the rows it involves, and findings
+alike get one summary line."""
+
+import numpy as np
+import pytest
+
+import auditor
+from auditor.gate import run_gate
+from auditor.head import Head
+from conftest import mean_initialised
+
+
+def planted_head(rng):
+    """400 rows on an ellipsoid (every one a vertex of the hull), then: 3 mean-initialised rows
+    (400-402), a copy of row 7 (403), a shorter copy of row 11 (404) and the midpoint of rows 20, 21,
+    22 shrunk towards the centre (405)."""
+    d = 5
+    sphere = rng.standard_normal((400, d))
+    sphere /= np.linalg.norm(sphere, axis=1, keepdims=True)
+    W = (sphere * np.arange(1, d + 1) ** -0.5).astype(np.float32)
+    added = [mean_initialised(W, 3, rng), W[7:8], 0.9 * W[11:12], 0.5 * W[20:23].mean(axis=0, keepdims=True)]
+    W = np.vstack([W] + [a.astype(np.float32) for a in added])
+    tokens = [f"tok{k}" for k in range(W.shape[0])]
+    return W, tokens
+
+
+@pytest.fixture(scope="module")
+def gated():
+    W, tokens = planted_head(np.random.default_rng(7))
+    head = Head(weight=W, tokens=tokens, token_source="given")
+    report = auditor.audit(W, progress=False)
+    return run_gate(head, report)
+
+
+def by_id(result):
+    return {f.id: f for f in result.findings}
+
+
+def test_each_planted_cause_gets_its_kind(gated):
+    kinds = {f.id: f.kind for f in gated.findings}
+    assert {k: kinds[k] for k in (400, 401, 402)} == {400: "mean", 401: "mean", 402: "mean"}
+    assert kinds[7] == kinds[403] == "copy"
+    assert kinds[404] == "shorter copy"
+    assert kinds[405] == "hull"
+
+
+def test_explanations_name_the_rows_they_rest_on(gated):
+    found = by_id(gated)
+    assert found[400].explanation.startswith("at the mean of all rows (mean-initialised)")
+    assert found[403].explanation.startswith("copy of row 7 'tok7'")
+    assert found[7].explanation.startswith("copied as row 403 'tok403'")
+    assert found[404].explanation.startswith("a shorter copy of row 11 'tok11': 0.9 times its length")
+    hull = found[405]
+    assert hull.explanation.startswith(f"inside the hull of {hull.support} rows, mainly ")
+    assert f"{hull.competitors[0].id} 'tok{hull.competitors[0].id}'" in hull.explanation
+
+
+def test_findings_alike_get_one_summary_line(gated):
+    lines = gated.summaries
+    assert ("3 rows at the mean of all rows: 400–402, typical of a vocabulary resized with mean initialisation"
+            in lines)
+    assert any(line.startswith("2 rows in 1 group of identical rows (7 = 403)") for line in lines)
+    assert "1 row is a shorter copy of other rows: 404" in lines
+
+
+def test_a_row_that_is_not_near_the_mean_is_not_called_mean_initialised(gated):
+    assert all(f.kind != "mean" for f in gated.findings if f.id < 400 or f.id > 402)
+
+
+def test_bounded_domain_findings_say_the_domain_keeps_them_out_of_reach(rng):
+    W = rng.standard_normal((60, 3))
+    W = np.vstack([W, 1.05 * W[:1]])  # outside the hull: it wins in R^3, but only far out
+    b = np.zeros(61)
+    b[60] = -50.0
+    report = auditor.audit(W, b, domain="ball:1", progress=False)
+    result = run_gate(Head(weight=W, bias=b), report)
+    finding = by_id(result)[60]
+    assert finding.verdict == "unargmaxable" and finding.kind == "domain"
+    assert finding.explanation.startswith("out of reach in ball:1: a mix of ")
+    assert any(line.startswith("1 row out of reach in ball:1: 60") for line in result.summaries)
+
+
+def test_id_ranges_are_compact():
+    from auditor.explain import id_ranges
+
+    assert id_ranges([5, 3, 4, 9, 11, 12]) == "3–5, 9, 11–12"
+    assert id_ranges(list(range(0, 40, 2)), limit=3) == "0, 2, 4 and 17 more"
