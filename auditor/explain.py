@@ -50,10 +50,11 @@ def explain(head: Head, report: AuditReport, findings: list[Finding]) -> list[st
         if finding.verdict == "tied":
             _explain_tie(head, finding)
         elif finding.verdict == "inconclusive":
-            lower, upper = finding.bounds
             finding.kind = "undecided"
-            finding.explanation = (f"not decided within the budget: its best margin lies between {lower:.2g} "
-                                   f"and {upper:.2g}")
+            finding.explanation = "not decided within the budget"
+            if finding.bounds is not None:
+                finding.explanation += (f": its best margin lies between {finding.bounds[0]:.2g} and "
+                                        f"{finding.bounds[1]:.2g}")
         elif finding.verdict == "low-ceiling":
             reached, ceiling = finding.probability_bounds
             finding.kind = "ceiling"

@@ -143,9 +143,10 @@ def collect_findings(head: Head, report: AuditReport, allow: AllowList | None = 
     """Every token that is not argmaxable; with ``ceiling``, also argmaxable tokens whose
     probability ceiling is below it (their upper bound is below ``ceiling``)."""
     findings = []
-    low = [] if ceiling is None else [k for k in report.ids("argmaxable")
-                                      if report.tokens[k].probability_bounds is not None
-                                      and report.tokens[k].probability_bounds[1] < ceiling]
+    low = []
+    if ceiling is not None:  # from the arrays: building every argmaxable token's verdict would cost seconds
+        upper = report.ceilings()[1]
+        low = [k for k in report.ids("argmaxable") if upper[k] < ceiling]  # NaN (not computed) is never below
     for verdict in FINDING_VERDICTS:
         for k in (low if verdict == "low-ceiling" else report.ids(verdict)):
             token = report.tokens[k]
