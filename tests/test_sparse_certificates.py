@@ -30,7 +30,7 @@ def test_reduction_keeps_the_combination_on_at_most_D_rows(rng, with_bias):
     alpha = rng.random(n)
     alpha /= alpha.sum()
     indices = np.arange(n)
-    support, weights = reduce_support(head, indices, alpha)
+    support, weights, _ = reduce_support(head, indices, alpha)
     assert support.size <= d + (2 if with_bias else 1)
     assert np.all(weights > 0) and abs(weights.sum() - 1) < 1e-12
     assert np.linalg.norm(weights @ W[support] - alpha @ W) < 1e-11 * np.linalg.norm(alpha @ W)
@@ -82,3 +82,21 @@ def test_sparse_certificates_on_a_larger_head_match_the_plain_lp(rng):
     for k in flagged:
         assert len(report.tokens[k].convex_indices) <= d + 1
     assert auditor.verify(report, W).ok
+
+
+def test_a_second_mean_initialised_row_is_reduced_from_the_first_ones_pool(rng):
+    from auditor.engine.caratheodory import from_pool
+    from auditor.engine.certify import check_convex
+    from auditor.engine.interior import interior_certificates
+
+    W = anisotropic(rng, 2000, 16)
+    W = torch.from_numpy(np.vstack([W, mean_initialised(W, 2, rng)]))
+    head = build_engine_head(W, None, duplicate_groups(W, None), Unbounded(), 1e-10)
+    found = interior_certificates(head, np.array([2000, 2001]))
+    assert len(found[2000][0]) > 17  # dense: the interior stage weighs every row
+    _, _, pool = reduce_support(head, *found[2000][:2])
+    support, weights = from_pool(head, pool, *found[2001][:2])
+    assert support.size <= 17 and 2001 not in support
+    assert check_convex(head, 2001, support, weights).accepted
+    W64 = W.numpy().astype(np.float64)
+    assert np.linalg.norm(weights @ W64[support] - W64[2001]) < 1e-12 * np.linalg.norm(W64[2001])

@@ -27,12 +27,12 @@ from tqdm import tqdm
 
 from auditor.domain import Domain
 from auditor.errors import InputError
-from auditor.engine.caratheodory import reduce_support
+from auditor.engine.caratheodory import Pool, from_pool, reduce_support
 from auditor.engine.certify import check_convex, check_witnesses
 from auditor.engine.frank_wolfe import frank_wolfe
 from auditor.engine.head import EngineHead, build_engine_head, storage_dtype
 from auditor.engine.interior import interior_certificates
-from auditor.engine.lp import affine_weights, lp_decide, polish
+from auditor.engine.lp import lp_decide, polish
 from auditor.engine.screen import screen
 from auditor.engine.ties import duplicate_groups
 from auditor.engine.tilt import tilted_certificates
@@ -259,37 +259,41 @@ def _sparsify(head: EngineHead, out: Decisions) -> None:
 
     The reduced weights must pass the same float64 check (re-solved on their
     support by lp.polish when they do not at first); where they still fail, the
-    dense certificate stands. Rows near one another (mean-initialised rows all
-    sit at the centre) are first tried on a support that served an earlier row:
-    one small solve instead of a reduction.
+    dense certificate stands. A full reduction leaves a pool of at most 2D rows
+    around the point it reproduced. Later certificates of the interior stage
+    (mean-initialised rows all sit at the centre) move their bulk onto the
+    pool's rows and are reduced by one elimination instead
+    (caratheodory.from_pool).
     """
     dim = head.d + (2 if head.bias is not None else 1)
-    recent: list[np.ndarray] = []
+    pools: list[Pool] = []
     for k, (indices, weights, _, _) in list(out.convex.items()):
         if indices.size <= dim:
             continue
         found = None
-        for support in recent:
-            alpha = affine_weights(head, k, support)
-            if alpha is not None:
-                check = check_convex(head, k, support[alpha > 0], alpha[alpha > 0])
+        near_centre = out.stage[k] == STAGES.index("interior")  # Newton's rows sit near the boundary
+        for pool in pools if near_centre else []:
+            reduced = from_pool(head, pool, indices, weights)
+            if reduced is not None and reduced[0].size <= dim:
+                check = check_convex(head, k, *reduced)
                 if check.accepted:
-                    found = support[alpha > 0], alpha[alpha > 0], check
+                    found = (*reduced, check)
                     break
         if found is None:
-            support, alpha = reduce_support(head, indices, weights)
+            support, alpha, pool = reduce_support(head, indices, weights)
+            if near_centre:
+                pools = [pool] + pools[:_POOLS - 1]
             check = check_convex(head, k, support, alpha)
             if not check.accepted:
                 support, alpha, check = polish(head, k, support, alpha)
             if not (check.accepted and support.size <= dim):
                 continue
             found = support, alpha, check
-            recent = [support] + recent[:_RECENT_SUPPORTS - 1]
         support, alpha, check = found
         _set_convex(out, k, support, alpha, check.residual, check.bias_gap, STAGES[int(out.stage[k])])
 
 
-_RECENT_SUPPORTS = 4
+_POOLS = 2  # pools kept, newest first
 
 
 def _settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:

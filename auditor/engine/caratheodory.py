@@ -27,7 +27,10 @@ like any other certificate; the engine keeps the dense one if it fails.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+import scipy.linalg
 import torch
 
 from auditor.engine.head import EngineHead
@@ -35,9 +38,11 @@ from auditor.engine.head import EngineHead
 _GATHER_ROWS = 8192  # rows gathered in float64 at a time when forming group means
 
 
-def reduce_support(head: EngineHead, indices: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def reduce_support(head: EngineHead, indices: np.ndarray, weights: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, Pool]:
     """Weights on at most D of ``indices`` (D = d + 1, or d + 2 with a bias) reproducing
-    ``sum weights_i (w_i, b_i, 1)`` up to rounding; returned as (indices, weights), weights summing to 1."""
+    ``sum weights_i (w_i, b_i, 1)`` up to rounding: (indices, weights summing to 1, and the at most
+    2D rows of the last merge round: a pool of rows around the point, for points near it)."""
     keep = weights > 0
     indices, alpha = np.asarray(indices)[keep], np.asarray(weights, dtype=np.float64)[keep]
     alpha = alpha / alpha.sum()
@@ -52,13 +57,105 @@ def reduce_support(head: EngineHead, indices: np.ndarray, weights: np.ndarray) -
         ratio = kept_mass / mass
         alpha = alpha * ratio[label]
         survive = alpha > 0
-        indices, alpha = indices[survive], alpha[survive]
+        indices, alpha = indices[survive], alpha[survive] / alpha[survive].sum()
+    points = _lifted(head, indices)
+    pool = Pool(indices, points)
     if indices.size > dim:
-        points = _lifted(head, indices)
         alpha = _eliminate(points, alpha)
         survive = alpha > 0
         indices, alpha = indices[survive], alpha[survive]
-    return indices, alpha / alpha.sum()
+    return indices, alpha / alpha.sum(), pool
+
+
+@dataclass
+class Pool:
+    """At most 2D rows around a point that a full reduction passed through (its last merge round),
+    their lifted points, and the last tilt that spread a target over them (a warm start)."""
+
+    indices: np.ndarray
+    points: np.ndarray
+    theta: np.ndarray | None = None
+
+
+def from_pool(head: EngineHead, pool: Pool, indices: np.ndarray, weights: np.ndarray,
+              heaviest: int = 8) -> tuple[np.ndarray, np.ndarray] | None:
+    """Reduce a certificate whose bulk lies near a pool of rows without a full reduction.
+
+    The certificate's ``heaviest`` rows keep their weights; the rest of its mass
+    is moved onto the pool's rows as the maximum-entropy combination that
+    reproduces the rest's point (all weights positive when that point is inside
+    the pool's hull), and the union, at most 2D + ``heaviest`` rows, is reduced
+    by one elimination. None when the pool does not surround the point.
+    """
+    order = np.argsort(-weights, kind="stable")
+    top, rest = order[:heaviest], order[heaviest:]
+    mass = float(weights[rest].sum())
+    if mass <= 0:
+        return None
+    dense = torch.zeros(head.n, dtype=torch.float64, device=head.device)
+    dense[torch.as_tensor(indices[rest], device=head.device)] = torch.as_tensor(weights[rest], device=head.device)
+    target = head.combine(dense[None, :])[0].cpu().numpy() / mass  # one pass over the head, by blocks
+    if head.bias is not None:
+        target = np.append(target, float(dense @ head.bias) / mass)
+    found = _maximum_entropy(pool.points[:, :-1], target, pool.theta)
+    if found is None:
+        return None
+    spread, pool.theta = found
+    union, position = np.unique(np.concatenate([indices[top], pool.indices]), return_inverse=True)
+    alpha = np.zeros(union.size)
+    np.add.at(alpha, position, np.concatenate([weights[top], mass * spread]))
+    alpha = _eliminate(_lifted(head, union), alpha)
+    survive = alpha > 0
+    return union[survive], alpha[survive] / alpha[survive].sum()
+
+
+def _maximum_entropy(points: np.ndarray, target: np.ndarray, start: np.ndarray | None = None,
+                     iterations: int = 60) -> tuple[np.ndarray, np.ndarray] | None:
+    """(pi, theta): weights pi_i proportional to exp(theta . x_i), all positive, with
+    sum pi_i x_i = target, by Newton's method on F(theta) = log sum exp(theta . (x_i - target)) (see
+    tilt.py, which does the same over a whole head), from ``start``. None when it does not converge:
+    the target is not inside the hull."""
+    scale = float(np.abs(points - target).max()) or 1.0
+    offsets = (points - target) / scale
+    theta = np.zeros(offsets.shape[1]) if start is None else start.copy()
+
+    def value(t):
+        logits = offsets @ t
+        top = logits.max()
+        return top + np.log(np.exp(logits - top).sum())
+
+    current = value(theta)
+    for _ in range(iterations):
+        logits = offsets @ theta
+        pi = np.exp(logits - logits.max())
+        pi /= pi.sum()
+        gradient = pi @ offsets
+        if np.abs(gradient).max() <= 1e-15:
+            return pi, theta
+        centred = offsets - gradient
+        hessian = (centred * pi[:, None]).T @ centred
+        try:  # a tiny ridge: rows of a normalised head span only a subspace
+            step = scipy.linalg.solve(hessian + 1e-14 * np.trace(hessian) * np.eye(len(hessian)), gradient,
+                                      assume_a="pos", check_finite=False)
+        except (np.linalg.LinAlgError, scipy.linalg.LinAlgError):
+            step = np.linalg.lstsq(hessian, gradient, rcond=None)[0]
+        slope = float(gradient @ step)
+        if not slope > 0:
+            return None
+        eta = 1.0
+        while eta > 1e-8:
+            trial = value(theta - eta * step)
+            if trial <= current - 1e-4 * eta * slope:
+                break
+            eta *= 0.5
+        else:
+            return None
+        theta = theta - eta * step
+        current = trial
+    logits = offsets @ theta
+    pi = np.exp(logits - logits.max())
+    pi /= pi.sum()
+    return (pi, theta) if np.abs(pi @ offsets).max() <= 1e-12 else None
 
 
 def _lifted(head: EngineHead, indices: np.ndarray) -> np.ndarray:
@@ -84,32 +181,53 @@ def _group_means(head: EngineHead, indices: np.ndarray, alpha: np.ndarray, label
 
 
 def _eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
-    """Carathéodory by null-space steps: non-negative weights on linearly independent points with
-    ``weights @ points == alpha @ points`` (up to rounding). ``points`` is m x D, ``alpha`` >= 0."""
+    """Carathéodory by null-space steps: non-negative weights on at most D of the m points with
+    ``weights @ points == alpha @ points`` (up to rounding). ``points`` is m x D, ``alpha`` >= 0.
+
+    Step j moves along null vector u_j until a weight reaches zero; every later null vector must
+    first lose the coordinates already dropped. Rather than updating all later vectors after each
+    step (m r^2 work in rank-one updates), each vector is corrected when its turn comes: with V the
+    vectors used so far and t their dropped coordinates, V[i][t_l] = 0 for i > l, so the correction
+    x solves the lower-triangular system T x = u[t] with T[l, i] = V[i][t_l].
+    """
     alpha = alpha.copy()
-    m = points.shape[0]
-    # Scale each coordinate so that the units of w, b and 1 do not matter. The last m - D columns of
-    # the complete QR factor of the points are orthogonal to every coordinate column: null vectors
-    # of the combination (rank deficiency only adds null vectors that this leaves unused).
+    m, dim = points.shape
+    if m <= dim:
+        return alpha
+    # Null vectors from an LU factorisation with partial pivoting, points = L[order] U: sum_i u_i points_i
+    # = 0 iff L^T w = 0 with u = w[order], and with L = [L1; L2] (|entries| <= 1) the vectors [-L1^-T L2^T e_j; e_j]
+    # span those (a quarter of the work of a complete QR). Each coordinate is scaled first so that the
+    # units of w, b and 1 do not matter.
     columns = points / np.maximum(np.abs(points).max(axis=0), np.finfo(np.float64).tiny)
-    q, _ = np.linalg.qr(columns, mode="complete")
-    null = np.ascontiguousarray(q[:, points.shape[1]:])  # m x (m - D): sum_i v_i points_i ~ 0
-    alive = np.ones(m, dtype=bool)  # not yet eliminated; every later null vector is zero off it
-    for j in range(null.shape[1]):
-        v = null[:, j]
-        if not np.any(v[alive]):
+    order, lower, _ = scipy.linalg.lu(columns, p_indices=True, check_finite=False)  # columns = lower[order] U
+    head_rows, tail_rows = lower[:dim], lower[dim:]
+    top = -scipy.linalg.solve_triangular(head_rows, tail_rows.T, trans="T", lower=True, unit_diagonal=True,
+                                         check_finite=False)  # dim x (m - dim)
+    basis = np.vstack([top, np.eye(m - dim)])  # null vectors of L^T, in pivoted order
+    null = np.ascontiguousarray(basis[order].T)  # (m - D) x m, back in the points' order
+    used = np.zeros((null.shape[0], m))
+    triangle = np.zeros((null.shape[0], null.shape[0]))
+    dropped: list[int] = []
+    alive = np.ones(m, dtype=bool)
+    for u in null:
+        j = len(dropped)
+        if j:
+            x = scipy.linalg.solve_triangular(triangle[:j, :j], u[dropped], lower=True, check_finite=False)
+            u = u - x @ used[:j]
+            u[dropped] = 0.0
+        if not np.any(u[alive]):
             continue
-        if v[alive].max() <= 0:
-            v = -v
-        positive = alive & (v > 0)
+        if u[alive].max() <= 0:
+            u = -u
+        positive = alive & (u > 0)
         ratios = np.full(m, np.inf)
-        ratios[positive] = alpha[positive] / v[positive]
+        ratios[positive] = alpha[positive] / u[positive]
         out = int(np.argmin(ratios))
-        alpha -= ratios[out] * v  # one weight reaches zero; the combination does not move
+        alpha -= ratios[out] * u  # one weight reaches zero; the combination does not move
         alpha[out] = 0.0
         np.maximum(alpha, 0.0, out=alpha)  # rounding may leave -1e-17 where the ratios tied
         alive[out] = False
-        rest = null[:, j + 1:]
-        rest -= np.outer(v, rest[out] / v[out])  # later steps must not revive the row just dropped
-        rest[out] = 0.0
+        used[j] = u
+        dropped.append(out)
+        triangle[j, :j + 1] = used[:j + 1, out]
     return alpha

@@ -138,6 +138,21 @@ def affine_weights(head: EngineHead, k: int, support: np.ndarray) -> np.ndarray 
     return beta / beta.sum() if np.all(beta >= 0) and beta.sum() > 0 else None
 
 
+def vertex_weights(head: EngineHead, k: int, support: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """A vertex of {alpha >= 0 on rows ``support``: sum alpha_i w_i = w_k, sum alpha = 1} with the largest
+    sum alpha_i b_i, re-solved exactly on its basis (at most d + 1 rows): sparse, and it keeps the bias
+    gap negative. Returns (rows, weights), or None when w_k is not in the hull of those rows."""
+    system, target = _affine_system(head, k, support)
+    vertex = scipy.optimize.linprog(-head.biases(support), A_eq=system, b_eq=target, bounds=(0, None), method="highs")
+    if vertex.status != 0:
+        return None
+    basis = vertex.x > vertex.x.max() * 1e-12
+    exact = np.linalg.lstsq(system[:, basis], target, rcond=None)[0]
+    if not (np.all(exact >= 0) and exact.sum() > 0):
+        return None
+    return support[basis], exact / exact.sum()
+
+
 def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
     """Sharpen approximate convex weights into an exact combination on their support.
 
@@ -157,14 +172,9 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
     beta = scipy.optimize.nnls(system, target, maxiter=50 * max(support.size, 10))[0]
     if beta.sum() > 0:
         candidates.append((support, beta / beta.sum()))
-    # A vertex of {alpha >= 0 : sum alpha_i w_i = w_k, sum alpha = 1} with the largest sum alpha_i b_i,
-    # re-solved exactly on its (at most d + 1 rows) basis: sparse, and it keeps the bias gap negative.
-    vertex = scipy.optimize.linprog(-head.biases(support), A_eq=system, b_eq=target, bounds=(0, None), method="highs")
-    if vertex.status == 0:
-        basis = vertex.x > vertex.x.max() * 1e-12
-        exact = np.linalg.lstsq(system[:, basis], target, rcond=None)[0]
-        if np.all(exact >= 0) and exact.sum() > 0:
-            candidates.append((support[basis], exact / exact.sum()))
+    vertex = vertex_weights(head, k, support)
+    if vertex is not None:
+        candidates.append(vertex)
     best = None
     for idx, w in candidates:
         nz = w > 0
