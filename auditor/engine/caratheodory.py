@@ -36,6 +36,7 @@ import torch
 from auditor.engine.head import EngineHead
 
 _GATHER_ROWS = 8192  # rows gathered in float64 at a time when forming group means
+_PANEL = 64  # null vectors corrected together by one triangular solve and one matrix product
 
 
 def reduce_support(head: EngineHead, indices: np.ndarray, weights: np.ndarray
@@ -188,7 +189,8 @@ def _eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     first lose the coordinates already dropped. Rather than updating all later vectors after each
     step (m r^2 work in rank-one updates), each vector is corrected when its turn comes: with V the
     vectors used so far and t their dropped coordinates, V[i][t_l] = 0 for i > l, so the correction
-    x solves the lower-triangular system T x = u[t] with T[l, i] = V[i][t_l].
+    x solves the lower-triangular system T x = u[t] with T[l, i] = V[i][t_l]. The corrections by the
+    vectors of earlier panels are applied to a whole panel at once.
     """
     alpha = alpha.copy()
     m, dim = points.shape
@@ -209,25 +211,34 @@ def _eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     triangle = np.zeros((null.shape[0], null.shape[0]))
     dropped: list[int] = []
     alive = np.ones(m, dtype=bool)
-    for u in null:
-        j = len(dropped)
-        if j:
-            x = scipy.linalg.solve_triangular(triangle[:j, :j], u[dropped], lower=True, check_finite=False)
-            u = u - x @ used[:j]
+    for start in range(0, null.shape[0], _PANEL):
+        # The corrections by every vector used before this panel, for the whole panel at once (BLAS-3).
+        panel = null[start:start + _PANEL].copy()
+        first = len(dropped)
+        if first:
+            x = scipy.linalg.solve_triangular(triangle[:first, :first], panel[:, dropped].T, lower=True,
+                                              check_finite=False)
+            panel -= x.T @ used[:first]
+        for u in panel:
+            j = len(dropped)
+            if j > first:  # and by those used within this panel
+                x = scipy.linalg.solve_triangular(triangle[first:j, first:j], u[dropped[first:]], lower=True,
+                                                  check_finite=False)
+                u -= x @ used[first:j]
             u[dropped] = 0.0
-        if not np.any(u[alive]):
-            continue
-        if u[alive].max() <= 0:
-            u = -u
-        positive = alive & (u > 0)
-        ratios = np.full(m, np.inf)
-        ratios[positive] = alpha[positive] / u[positive]
-        out = int(np.argmin(ratios))
-        alpha -= ratios[out] * u  # one weight reaches zero; the combination does not move
-        alpha[out] = 0.0
-        np.maximum(alpha, 0.0, out=alpha)  # rounding may leave -1e-17 where the ratios tied
-        alive[out] = False
-        used[j] = u
-        dropped.append(out)
-        triangle[j, :j + 1] = used[:j + 1, out]
+            if not np.any(u[alive]):
+                continue
+            if u[alive].max() <= 0:
+                u = -u
+            positive = alive & (u > 0)
+            ratios = np.full(m, np.inf)
+            ratios[positive] = alpha[positive] / u[positive]
+            out = int(np.argmin(ratios))
+            alpha -= ratios[out] * u  # one weight reaches zero; the combination does not move
+            alpha[out] = 0.0
+            np.maximum(alpha, 0.0, out=alpha)  # rounding may leave -1e-17 where the ratios tied
+            alive[out] = False
+            used[j] = u
+            dropped.append(out)
+            triangle[j, :j + 1] = used[:j + 1, out]
     return alpha
