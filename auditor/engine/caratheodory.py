@@ -170,15 +170,17 @@ def _lifted(head: EngineHead, indices: np.ndarray) -> np.ndarray:
 
 def _group_means(head: EngineHead, indices: np.ndarray, alpha: np.ndarray, label: np.ndarray,
                  groups: int) -> np.ndarray:
-    """sum_{i in group g} alpha_i (w_i, b_i, 1) for every group, gathering rows by blocks."""
-    dim = head.d + (2 if head.bias is not None else 1)
-    total = torch.zeros(groups, dim, dtype=torch.float64, device=head.device)
+    """sum_{i in group g} alpha_i (w_i, b_i, 1) for every group, gathering rows by blocks on the device."""
+    total = torch.zeros(groups, head.d, dtype=torch.float64, device=head.device)
     for s in range(0, indices.size, _GATHER_ROWS):
-        part = indices[s:s + _GATHER_ROWS]
-        points = torch.as_tensor(_lifted(head, part), device=head.device)
-        weighted = points * torch.as_tensor(alpha[s:s + _GATHER_ROWS], device=head.device)[:, None]
-        total.index_add_(0, torch.as_tensor(label[s:s + _GATHER_ROWS], device=head.device), weighted)
-    return total.cpu().numpy()
+        rows = head.rows64(indices[s:s + _GATHER_ROWS])
+        weights = torch.as_tensor(alpha[s:s + _GATHER_ROWS], device=head.device)
+        total.index_add_(0, torch.as_tensor(label[s:s + _GATHER_ROWS], device=head.device), rows * weights[:, None])
+    columns = [total.cpu().numpy()]
+    if head.bias is not None:
+        columns.append(np.bincount(label, weights=alpha * head.biases(indices), minlength=groups)[:, None])
+    columns.append(np.bincount(label, weights=alpha, minlength=groups)[:, None])
+    return np.hstack(columns)
 
 
 def _eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
