@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress)
     load_seconds = time.perf_counter() - started
     if baseline is not None:
-        baseline.check(head, domain)
+        baseline.check(head, domain, args.ceiling)
     # "--tokens ''" is a mistake to report, not a request to audit everything
     tokens = parse_token_ids(args.tokens, head.shape[0]) if args.tokens is not None else None
     shard = None

@@ -16,6 +16,8 @@ import torch
 
 from auditor.errors import InputError
 
+LARGEST_RESIDUAL_TOL = 1e-6  # a convex certificate may rest on at most this relative residual
+
 _FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _NUMPY_FLOATS = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}
 
@@ -126,8 +128,8 @@ def prepare_token_ids(tokens: Iterable[int] | None, n: int) -> np.ndarray:
 
 def check_options(residual_tol: float, frank_wolfe_iterations: int, lp_rounds: int, newton_iterations: int = 40) -> None:
     """Refuse engine settings that would make verdicts meaningless or the run endless."""
-    if not (isinstance(residual_tol, (int, float)) and 0 < residual_tol <= 1e-6):
-        raise InputError(f"residual_tol must be in (0, 1e-6], got {residual_tol!r}")
+    if not (isinstance(residual_tol, (int, float)) and 0 < residual_tol <= LARGEST_RESIDUAL_TOL):
+        raise InputError(f"residual_tol must be in (0, {LARGEST_RESIDUAL_TOL:g}], got {residual_tol!r}")
     for name, value in (("frank_wolfe_iterations", frank_wolfe_iterations), ("lp_rounds", lp_rounds),
                         ("newton_iterations", newton_iterations)):
         if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1_000_000):

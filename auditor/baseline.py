@@ -2,13 +2,15 @@
 
 A finding is *unchanged* when the baseline has the same token id with the same
 verdict, and *new* otherwise (a tie that became unargmaxable is new); the
-baseline's findings that are gone are *fixed*. Only new findings fail the gate.
+baseline's findings whose token is no longer a finding at all are *fixed*.
+Only new findings fail the gate.
 
 The baseline must describe the same vocabulary: the same number of rows, or
 fewer when this head extends it (``resize_token_embeddings`` appends rows), in
 which case the token strings of the baseline's ids must be the very same
 (the JSON report records a hash of them). Another vocabulary or another domain
-is an error, since comparing ids across them would mean nothing.
+is an error, since comparing ids across them would mean nothing, and so is
+another ``--ceiling`` (low-ceiling findings depend on it).
 """
 
 from __future__ import annotations
@@ -61,11 +63,17 @@ class Baseline:
     def n_tokens(self) -> int:
         return int(self.document["summary"]["n_tokens"])
 
-    def check(self, head, domain) -> None:
-        """Refuse a baseline of another vocabulary or domain (before any work is done)."""
+    def check(self, head, domain, ceiling: float | None = None) -> None:
+        """Refuse a baseline of another vocabulary, domain or --ceiling (before any work is done)."""
         if self.document["domain"] != str(domain):
             raise InputError(f"--baseline {self.path}: its domain is {self.document['domain']}, this audit's is "
                              f"{domain}; compare reports of the same domain")
+        if self.document.get("ceiling") != ceiling:  # else low-ceiling findings would all read new, or fixed
+            theirs, ours = self.document.get("ceiling"), ceiling
+            raise InputError(f"--baseline {self.path}: it was written with "
+                             f"{'no --ceiling' if theirs is None else f'--ceiling {theirs:g}'}, this audit has "
+                             f"{'none' if ours is None else f'--ceiling {ours:g}'}; compare reports of the same "
+                             "--ceiling")
         n, old = head.shape[0], self.n_tokens
         recorded = self.document["head"].get("vocabulary_sha256")
         if n == old:
@@ -85,10 +93,10 @@ class Baseline:
         before = {(f["id"], f["verdict"]) for f in self.document["findings"]}
         for finding in findings:
             finding.baseline = "unchanged" if (finding.id, finding.verdict) in before else "new"
-        now = {(f.id, f.verdict) for f in findings}
-        decided = set(range(report.n_tokens)) - set(report.ids("undecided"))
+        # fixed: no longer a finding at all (a changed verdict is a new finding, not a fix)
+        still = {f.id for f in findings} | set(report.ids("undecided"))
         fixed = [{"id": f["id"], "token": f.get("token"), "verdict": f["verdict"]}
-                 for f in self.document["findings"] if (f["id"], f["verdict"]) not in now and f["id"] in decided]
+                 for f in self.document["findings"] if f["id"] not in still]
         new = sum(f.baseline == "new" for f in findings)
         return {"path": str(self.path), "n_tokens": self.n_tokens, "new": new, "unchanged": len(findings) - new,
                 "fixed": fixed}

@@ -23,11 +23,24 @@ from pathlib import Path
 
 import numpy as np
 
+from auditor._input import LARGEST_RESIDUAL_TOL as _LARGEST_RESIDUAL_TOL
 from auditor.domain import Domain, parse_domain
 from auditor.errors import InputError
 from auditor.report import CERTIFICATES_KIND, SCHEMA_VERSION, VERDICTS, TokenVerdict
 
 _DECIDED = tuple(v for v in VERDICTS if v != "undecided")
+
+
+def as_float64(array) -> np.ndarray:
+    """A float64 numpy copy of a numpy array or torch tensor of any float dtype (bfloat16 included)."""
+    import torch
+
+    if isinstance(array, torch.Tensor):
+        return array.detach().to(torch.float64).cpu().numpy()
+    array = np.asarray(array)
+    if array.dtype.name == "bfloat16":
+        array = array.astype(np.float32)
+    return array.astype(np.float64)
 
 
 @dataclass(frozen=True)
@@ -82,7 +95,7 @@ class Certificates:
 
         Raises InputError when ``weight`` is not n x d.
         """
-        rows = np.asarray(weight, dtype=np.float64)
+        rows = as_float64(weight)
         if rows.shape != (self.n_tokens, self.hidden_size):
             raise InputError(f"{self.source}: the certificates are for a {self.n_tokens} x {self.hidden_size} head, "
                              f"the weight given is {' x '.join(map(str, rows.shape))}")
@@ -130,6 +143,7 @@ class _Parser:
 
     def __init__(self, source: str):
         self.source = source
+        self.argmaxable_listed = True
 
     def fail(self, message: str):
         raise InputError(f"{self.source}: {message}")
@@ -150,6 +164,7 @@ class _Parser:
             self.fail(f"schema_version {document['schema_version']!r}, but this auditor reads schema_version "
                       f"{SCHEMA_VERSION}; re-check it with the auditor version that wrote it")
 
+        self.argmaxable_listed = document.get("argmaxable_listed", True) is not False
         head = self.mapping(document["head"], "head")
         n = self.count(head.get("n_tokens"), "head.n_tokens")
         d = self.count(head.get("hidden_size"), "head.hidden_size")
@@ -163,8 +178,12 @@ class _Parser:
         except InputError as error:
             self.fail(str(error))
         tolerances = self.mapping(document["tolerances"], "tolerances")
-        if not self.is_number(tolerances.get("residual_tol")):
-            self.fail("tolerances.residual_tol must be a number")
+        tolerance = tolerances.get("residual_tol")
+        # The file states the tolerance its certificates rest on; the check must not take a looser one
+        # than any audit can use, or an edited file could pass anything.
+        if not (self.is_number(tolerance) and math.isfinite(tolerance) and 0 < tolerance <= _LARGEST_RESIDUAL_TOL):
+            self.fail(f"tolerances.residual_tol must be a number in (0, {_LARGEST_RESIDUAL_TOL:g}], "
+                      f"got {tolerance!r}")
         final_norm = document.get("final_norm")
         if final_norm is not None:
             final_norm = self.mapping(final_norm, "final_norm")
@@ -199,6 +218,8 @@ class _Parser:
             if token is not None:
                 listed[token.verdict] += 1
         for verdict in _DECIDED:
+            if verdict == "argmaxable" and not self.argmaxable_listed:
+                continue  # written with to_dict(include_argmaxable=False): those tokens are left out
             stated = counts.get(verdict, 0)
             if stated != listed[verdict]:
                 self.fail(f"its counts say {stated} {verdict} tokens but it lists {listed[verdict]}; a certificates "
@@ -241,6 +262,8 @@ class _Parser:
             fields["convex_weights"] = self.vector(weights, len(weights), f"{where}: convex weights")
             fields["residual"] = self.number_or_none(convex.get("residual"), f"{where}: residual", math.inf)
             fields["bias_gap"] = self.number_or_none(convex.get("bias_gap"), f"{where}: bias_gap", math.inf)
+        if verdict == "tied" and not entry.get("tied_with"):
+            self.fail(f"{where}: a tied token needs tied_with (its copies) and group_verdict")
         if entry.get("tied_with") is not None:
             if not isinstance(entry["tied_with"], list):
                 self.fail(f"{where}: tied_with must be a list of ids")

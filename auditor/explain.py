@@ -32,7 +32,7 @@ from auditor.report import AuditReport
 MEAN_RADIUS = 0.01  # rows this close to the mean, relative to the rows' spread, are "at the mean"
 PARALLEL_TOL = 1e-6  # ||w_k - lambda w_j|| <= this * ||w_k||: "a shorter copy of row j"
 _NAMED = 3  # rows named in a hull explanation
-_PARALLEL_SEARCH = 4096  # findings searched for a parallel row over the whole head (one product each)
+_PARALLEL_SEARCH = 64  # findings searched for a parallel row over the whole head (one product with it each)
 _BLOCK = 4096
 
 
@@ -43,7 +43,11 @@ def explain(head: Head, report: AuditReport, findings: list[Finding]) -> list[st
     weight = _as_tensor(head.weight)
     unargmaxable = [f for f in findings if f.verdict == "unargmaxable"]
     distance = _distance_from_mean(weight, [f.id for f in unargmaxable])
-    parallel = _most_parallel(weight, [f.id for f in unargmaxable if distance[f.id] > MEAN_RADIUS])
+    rest = [f for f in unargmaxable if distance[f.id] > MEAN_RADIUS]
+    # The longer copy carries most of a shorter copy's certificate, so its heaviest rows are tried first;
+    # a search over the whole head (one product with it per finding) is kept for a few of the others.
+    parallel = _parallel_among(weight, {f.id: [c.id for c in f.competitors] for f in rest})
+    parallel.update(_most_parallel(weight, [f.id for f in rest if f.id not in parallel][:_PARALLEL_SEARCH]))
     bounded = report.domain.bounded
     for finding in findings:
         k = finding.id
@@ -104,10 +108,29 @@ def _distance_from_mean(weight: torch.Tensor, ids: list[int]) -> dict[int, float
     return {k: float(v) / scale for k, v in zip(ids, offsets.tolist())}
 
 
+def _shorter_copy(w_k: torch.Tensor, w_j: torch.Tensor) -> float | None:
+    """lambda when w_k = lambda w_j with 0 < lambda < 1 to within PARALLEL_TOL ||w_k||, else None."""
+    ratio = float(w_k @ w_j) / max(float(w_j @ w_j), 1e-300)
+    close = float(torch.linalg.vector_norm(w_k - ratio * w_j)) <= PARALLEL_TOL * float(torch.linalg.vector_norm(w_k))
+    return ratio if 0 < ratio < 1 and close else None
+
+
+def _parallel_among(weight: torch.Tensor, candidates: dict[int, list[int]]) -> dict[int, tuple[int, float]]:
+    """k -> (j, lambda) for the first j among k's candidates of which w_k is a shorter copy."""
+    found = {}
+    for k, rows in candidates.items():
+        w_k = weight[k].to(torch.float64)
+        for j in rows:
+            ratio = _shorter_copy(w_k, weight[j].to(torch.float64))
+            if ratio is not None:
+                found[k] = (j, ratio)
+                break
+    return found
+
+
 def _most_parallel(weight: torch.Tensor, ids: list[int]) -> dict[int, tuple[int, float]]:
     """k -> (j, lambda) where w_k = lambda w_j with lambda < 1, to within PARALLEL_TOL; searched over the head."""
     found: dict[int, tuple[int, float]] = {}
-    ids = ids[:_PARALLEL_SEARCH]
     for start in range(0, len(ids), 256):
         part = ids[start:start + 256]
         rows = weight[part].to(torch.float64)
@@ -123,9 +146,8 @@ def _most_parallel(weight: torch.Tensor, ids: list[int]) -> dict[int, tuple[int,
             better = value > best
             best[better], best_j[better] = value[better], where[better] + s
         for j, k in enumerate(part):
-            w_k, w_j = rows[j], weight[int(best_j[j])].to(torch.float64)
-            ratio = float(w_k @ w_j) / max(float(w_j @ w_j), 1e-300)
-            if 0 < ratio < 1 and float(torch.linalg.vector_norm(w_k - ratio * w_j)) <= PARALLEL_TOL * float(norms[j]):
+            ratio = _shorter_copy(rows[j], weight[int(best_j[j])].to(torch.float64))
+            if ratio is not None:
                 found[k] = (int(best_j[j]), ratio)
     return found
 

@@ -41,6 +41,7 @@ class Finding:
     bounds: tuple[float, float] | None = None
     probability_bounds: tuple[float, float] | None = None  # (reached, upper bound) of the softmax probability
     allowed: bool = False
+    stage: str | None = None  # the engine stage that settled it ("interior", "lp", "unbounded hull", ...)
     explanation: str = ""  # what the certificate shows, in plain words (auditor/explain.py)
     kind: str | None = None  # the explanation's category: "copy", "mean", "shorter copy", "hull", ...
     baseline: str | None = None  # with --baseline: "new" or "unchanged"
@@ -92,9 +93,10 @@ class AllowList:
     def allows(self, k: int, token: str | None) -> bool:
         return k in self.ids or (token is not None and token in self.strings)
 
-    def unused(self, findings: list[Finding], n_tokens: int) -> list[str]:
-        """Warnings for the entries that match no finding: stale entries hide nothing and mislead."""
-        ids = {f.id for f in findings}
+    def unused(self, findings: list[Finding], n_tokens: int, undecided: set[int] = frozenset()) -> list[str]:
+        """Warnings for the entries that match no finding: stale entries hide nothing and mislead.
+        Ids this run did not decide (--tokens, --shard) are not stale."""
+        ids = {f.id for f in findings} | set(undecided)
         strings = {f.token for f in findings if f.token is not None}
         warnings = [f"allow-list entry {k} is not a token id of this head (0..{n_tokens - 1})"
                     for k in sorted(self.ids) if k >= n_tokens]
@@ -153,7 +155,7 @@ def collect_findings(head: Head, report: AuditReport, allow: AllowList | None = 
             finding = Finding(id=k, token=head.token(k), verdict=verdict, residual=token.residual,
                               bias_gap=token.bias_gap, tied_with=token.tied_with,
                               group_verdict=token.group_verdict, bounds=token.bounds,
-                              probability_bounds=token.probability_bounds)
+                              probability_bounds=token.probability_bounds, stage=token.stage)
             if token.convex_indices is not None:
                 finding.support = len(token.convex_indices)
                 finding.competitors = [Competitor(int(i), head.token(int(i)), float(w)) for i, w in
@@ -173,7 +175,7 @@ def run_gate(head: Head, report: AuditReport, fail_on=DEFAULT_FAIL_ON, allow: Al
     result = GateResult(head, report, findings, frozenset(fail_on), load_seconds, ceiling)
     result.summaries = explain(head, report, findings)
     if allow is not None:
-        result.warnings += allow.unused(findings, report.n_tokens)
+        result.warnings += allow.unused(findings, report.n_tokens, set(report.ids("undecided")))
     if baseline is not None:
         result.baseline = baseline.mark(findings, head, report)
     return result

@@ -25,7 +25,7 @@ from pathlib import Path
 from auditor.errors import InputError
 from auditor.explain import summary_lines
 from auditor.formats import DOCUMENT_FORMATS
-from auditor.gate import EXIT_CLEAN, EXIT_ERROR, EXIT_FINDINGS
+from auditor.gate import EXIT_CLEAN, EXIT_FINDINGS
 
 _SAME = ("schema_version", "tool", "head", "domain", "fail_on", "ceiling")
 _DECIDED = ("argmaxable", "unargmaxable", "tied", "inconclusive")
@@ -124,30 +124,32 @@ def merge_reports(documents: list[dict], names: list[str] | None = None) -> dict
     return merged
 
 
+def run(args: argparse.Namespace) -> int:
+    merged = merge_reports([_read(path) for path in args.reports], [str(path) for path in args.reports])
+    text = DOCUMENT_FORMATS[args.format](merged)
+    if args.output:
+        from auditor._cli import check_writable, write_atomically
+
+        check_writable(args.output)
+        write_atomically({args.output: text})
+    else:
+        sys.stdout.write(text)
+    summary = merged["summary"]
+    print(f"audit-merge: {len(args.reports)} shards, {summary['n_tokens']} tokens, "
+          f"{summary['failing']} failing findings", file=sys.stderr)
+    return EXIT_FINDINGS if summary["failing"] else EXIT_CLEAN
+
+
 def main(argv: list[str] | None = None) -> int:
+    from auditor._cli import guarded
+
     parser = argparse.ArgumentParser(prog="audit-merge", description="Merge the JSON reports of audit --shard I/N.")
     parser.add_argument("reports", nargs="+", type=Path, help="the N shard reports (audit --shard I/N --format json)")
     parser.add_argument("--format", choices=sorted(DOCUMENT_FORMATS), default="json",
                         help="report format (default: json)")
     parser.add_argument("--output", type=Path, metavar="FILE", help="write the merged report to FILE (atomically)")
-    args = parser.parse_args(argv)
-    try:
-        merged = merge_reports([_read(path) for path in args.reports], [str(path) for path in args.reports])
-        text = DOCUMENT_FORMATS[args.format](merged)
-        if args.output:
-            from auditor._cli import check_writable, write_atomically
-
-            check_writable(args.output)
-            write_atomically({args.output: text})
-        else:
-            sys.stdout.write(text)
-    except InputError as error:
-        print(f"audit-merge: error: {error}", file=sys.stderr)
-        return EXIT_ERROR
-    summary = merged["summary"]
-    print(f"audit-merge: {len(args.reports)} shards, {summary['n_tokens']} tokens, "
-          f"{summary['failing']} failing findings", file=sys.stderr)
-    return EXIT_FINDINGS if summary["failing"] else EXIT_CLEAN
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    return guarded("audit-merge", run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -237,6 +237,7 @@ class AuditReport:
             "schema_version": SCHEMA_VERSION,
             "kind": CERTIFICATES_KIND,
             "tool": {"name": "auditor", "version": __version__},
+            "argmaxable_listed": include_argmaxable,  # False: argmaxable tokens (and their witnesses) left out
             "final_norm": None if norm is None else {"kind": norm.kind, "eps": norm.eps, "unit_offset": norm.unit_offset},
             "head": {"n_tokens": self.n_tokens, "hidden_size": self.hidden_size, "dtype": self.dtype,
                      "bias": self.has_bias},

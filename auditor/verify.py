@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from auditor.certificates import Certificates, parse_certificates
+from auditor.certificates import Certificates, as_float64, parse_certificates
 from auditor.domain import Ball, Box
+from auditor.errors import InputError
 from auditor.report import AuditReport
 
 _U = 2.0**-53
@@ -67,20 +68,6 @@ class Verification:
         self.reasons.setdefault(k, []).append(reason)
 
 
-def _as_float64(array) -> np.ndarray:
-    try:
-        import torch
-
-        if isinstance(array, torch.Tensor):
-            return array.detach().to(torch.float64).cpu().numpy()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    array = np.asarray(array)
-    if array.dtype.name == "bfloat16":
-        array = array.astype(np.float32)
-    return array.astype(np.float64)
-
-
 def _power_of_two(W: np.ndarray, b: np.ndarray) -> float:
     peak = max(float(np.abs(W).max(initial=0.0)), float(np.abs(b).max(initial=0.0)))
     return 1.0 if peak == 0 else math.ldexp(1.0, -math.frexp(peak)[1])
@@ -102,20 +89,24 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
     vectors here. Raises InputError for a malformed certificates document or a
     weight of another shape than the file's head.
     """
-    W = _as_float64(weight)
-    b = _as_float64(bias) if bias is not None else np.zeros(W.shape[0])
+    W = as_float64(weight)
+    b = as_float64(bias) if bias is not None else np.zeros(W.shape[0])
     if isinstance(report, dict):
         report = parse_certificates(report)
     if isinstance(report, Certificates):
+        if report.has_bias != (bias is not None):  # b = 0 for a head with a bias would be another head
+            raise InputError(f"{report.source}: the certificates are for a head "
+                             f"{'with' if report.has_bias else 'without'} a bias; pass "
+                             f"{'its bias' if report.has_bias else 'bias=None'}")
         report = report.resolve(W)  # on the rows as given: the witness is a point of the caller's space
     norm = None
     if str(report.domain) == "norm":
         if final_norm is None:
             raise ValueError("a norm-domain report is verified against its final_norm: pass final_norm=")
         d = W.shape[1]
-        gain = _as_float64(final_norm.weight) if final_norm.weight is not None else np.ones(d)
+        gain = as_float64(final_norm.weight) if final_norm.weight is not None else np.ones(d)
         gain = 1.0 + gain if final_norm.unit_offset else gain
-        shift = _as_float64(final_norm.bias) if final_norm.bias is not None else np.zeros(d)
+        shift = as_float64(final_norm.bias) if final_norm.bias is not None else np.zeros(d)
         norm = (final_norm.kind, gain, shift, float(final_norm.eps))
     scale = _power_of_two(W, b)
     W, b = W * scale, b * scale  # exact: the largest entry lands in [0.5, 1), far from underflow for real heads
@@ -134,6 +125,10 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
         return token.pre_norm if norm is not None else token.witness
 
     for token in tokens:  # every decided verdict must carry the certificate it claims
+        if token.verdict == "tied" and not token.tied_with:
+            result.checked += 1
+            result.fail(token.id, "missing certificate: tied, but with no copies named")
+            continue
         claim = token.group_verdict if token.verdict == "tied" else token.verdict
         if claim == "argmaxable" and point(token) is None:
             result.checked += 1

@@ -166,6 +166,44 @@ def test_a_dropped_certificate_is_an_error_not_an_undecided_token(demo_certifica
 # -- errors ------------------------------------------------------------------------------------------
 
 
+def test_a_looser_tolerance_written_into_the_file_is_refused(demo_certificates, tmp_path):
+    def loosen(tokens, document):
+        document["tolerances"]["residual_tol"] = 1e6
+
+    with pytest.raises(auditor.InputError, match="residual_tol"):
+        auditor.load_certificates(tampered(demo_certificates, tmp_path / "loose.json", loosen))
+
+
+def test_findings_relabelled_as_bare_ties_are_refused(demo_certificates, tmp_path):
+    def relabel(tokens, document):
+        for k in (4000, 4001):
+            tokens[k].pop("convex")
+            tokens[k]["verdict"] = "tied"
+        document["counts"]["unargmaxable"] -= 2
+        document["counts"]["tied"] += 2
+
+    with pytest.raises(auditor.InputError, match="tied_with"):
+        auditor.load_certificates(tampered(demo_certificates, tmp_path / "ties.json", relabel))
+
+
+def test_verifying_a_biased_file_without_its_bias_is_an_error(tmp_path):
+    rng = np.random.default_rng(2)
+    weight, bias = rng.standard_normal((40, 3)), rng.standard_normal(40)
+    document = auditor.audit(weight, bias, progress=False).to_dict()
+    with pytest.raises(auditor.InputError, match="with a bias"):
+        auditor.verify(document, weight)
+    assert auditor.verify(document, weight, bias).ok
+
+
+def test_a_file_without_argmaxable_tokens_loads_and_checks_the_rest(tmp_path):
+    rng = np.random.default_rng(3)
+    weight = np.vstack([rng.standard_normal((50, 3)), np.zeros((1, 3))])  # the origin: inside the hull
+    report = auditor.audit(weight, progress=False)
+    certificates = report.to_dict(include_argmaxable=False)
+    result = auditor.verify(certificates, weight)
+    assert result.ok and result.checked == len(report.ids("unargmaxable")) >= 1
+
+
 def test_missing_certificates_file_is_an_error(tmp_path):
     line = one_error_line(verify_cli(tmp_path / "absent.json", DEMO))
     assert "absent.json: no such file" in line

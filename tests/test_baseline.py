@@ -123,3 +123,15 @@ def test_unused_allow_list_entries_are_warned_about(models, tmp_path):
                         "allow-list entry 17 matches no finding",
                         'allow-list entry "not-a-token" matches no finding']
     assert done.stderr.count("audit: warning: ") == 3
+
+
+def test_another_ceiling_is_an_error(models):
+    done = audit(models["resized"], "--baseline", models["base_report"], "--domain", "unbounded", "--ceiling", "0.5")
+    assert done.returncode == 2 and "--ceiling" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_allow_list_entries_for_tokens_not_audited_are_not_stale(models, tmp_path):
+    allow = tmp_path / "allow.txt"
+    allow.write_text(f"{N - 1}\n", encoding="utf-8")
+    done = audit(models["base"], "--allow", allow, "--tokens", "0-10", "--format", "json")
+    assert json.loads(done.stdout)["warnings"] == []

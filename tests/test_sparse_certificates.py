@@ -95,7 +95,7 @@ def test_a_second_mean_initialised_row_is_reduced_from_the_first_ones_pool(rng):
     found = interior_certificates(head, np.array([2000, 2001]))
     assert len(found[2000][0]) > 17  # dense: the interior stage weighs every row
     _, _, pool = reduce_support(head, *found[2000][:2])
-    support, weights = from_pool(head, pool, *found[2001][:2])
+    support, weights = from_pool(head, pool, 2001, *found[2001][:2])
     assert support.size <= 17 and 2001 not in support
     assert check_convex(head, 2001, support, weights).accepted
     W64 = W.numpy().astype(np.float64)

@@ -273,7 +273,7 @@ def _sparsify(head: EngineHead, out: Decisions) -> None:
         found = None
         near_centre = out.stage[k] == STAGES.index("interior")  # Newton's rows sit near the boundary
         for pool in pools if near_centre else []:
-            reduced = from_pool(head, pool, indices, weights)
+            reduced = from_pool(head, pool, k, indices, weights)
             if reduced is not None and reduced[0].size <= dim:
                 check = check_convex(head, k, *reduced)
                 if check.accepted:

@@ -78,9 +78,9 @@ class Pool:
     theta: np.ndarray | None = None
 
 
-def from_pool(head: EngineHead, pool: Pool, indices: np.ndarray, weights: np.ndarray,
+def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights: np.ndarray,
               heaviest: int = 8) -> tuple[np.ndarray, np.ndarray] | None:
-    """Reduce a certificate whose bulk lies near a pool of rows without a full reduction.
+    """Reduce token k's certificate, whose bulk lies near a pool of rows, without a full reduction.
 
     The certificate's ``heaviest`` rows keep their weights; the rest of its mass
     is moved onto the pool's rows as the maximum-entropy combination that
@@ -98,11 +98,12 @@ def from_pool(head: EngineHead, pool: Pool, indices: np.ndarray, weights: np.nda
     target = head.combine(dense[None, :])[0].cpu().numpy() / mass  # one pass over the head, by blocks
     if head.bias is not None:
         target = np.append(target, float(dense @ head.bias) / mass)
-    found = _maximum_entropy(pool.points[:, :-1], target, pool.theta)
+    others = pool.indices != k  # the token may sit among the rows another token's certificate used
+    found = _maximum_entropy(pool.points[others, :-1], target, pool.theta)
     if found is None:
         return None
     spread, pool.theta = found
-    union, position = np.unique(np.concatenate([indices[top], pool.indices]), return_inverse=True)
+    union, position = np.unique(np.concatenate([indices[top], pool.indices[others]]), return_inverse=True)
     alpha = np.zeros(union.size)
     np.add.at(alpha, position, np.concatenate([weights[top], mass * spread]))
     alpha = _eliminate(_lifted(head, union), alpha)

@@ -107,7 +107,8 @@ def _certificate_fact(finding: dict, doc: dict, explained: bool) -> str:
     verdict = finding["verdict"]
     if verdict == "unargmaxable":
         residual = _number(finding["residual"], "not stated")
-        if doc["domain"] == "unbounded":
+        # "unbounded hull" (norm domain): inside the hull of the rows as given, a distance, not a dual bound
+        if doc["domain"] == "unbounded" or finding.get("stage") == "unbounded hull":
             return f"residual {residual}"
         # in a bounded domain the certificate's number is s_D(w_k - sum a_i w_i) + b_k - sum a_i b_i,
         # an upper bound on the token's margin over the domain, not a distance between rows; it may be

@@ -50,6 +50,7 @@ def document(result: GateResult) -> dict:
                 "id": f.id,
                 "token": f.token,
                 "verdict": f.verdict,
+                "stage": f.stage,
                 "residual": _number(f.residual),
                 "bias_gap": _number(f.bias_gap),
                 "competitors": [{"id": c.id, "token": c.token, "weight": c.weight} for c in f.competitors],
