@@ -122,37 +122,6 @@ def _witness_from(head: EngineHead, k: int, z: np.ndarray) -> np.ndarray:
     return z * scale
 
 
-def _affine_system(head: EngineHead, k: int, support: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(A, t) with A beta = t iff sum beta_i (w_i - w_k) = 0 and sum beta_i = 1 (scaled alike)."""
-    Y = (head.rows(support) - head.rows([k])[0]).T  # d x |S|
-    scale = max(float(np.abs(Y).max()), np.finfo(np.float64).tiny)
-    system = np.vstack([Y, np.full((1, support.size), scale)])
-    return system, np.concatenate([np.zeros(head.d), [scale]])
-
-
-def affine_weights(head: EngineHead, k: int, support: np.ndarray) -> np.ndarray | None:
-    """The least-squares affine combination of rows ``support`` that reproduces w_k, when it is
-    non-negative (a candidate convex certificate), else None."""
-    system, target = _affine_system(head, k, support)
-    beta = np.linalg.lstsq(system, target, rcond=None)[0]
-    return beta / beta.sum() if np.all(beta >= 0) and beta.sum() > 0 else None
-
-
-def vertex_weights(head: EngineHead, k: int, support: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """A vertex of {alpha >= 0 on rows ``support``: sum alpha_i w_i = w_k, sum alpha = 1} with the largest
-    sum alpha_i b_i, re-solved exactly on its basis (at most d + 1 rows): sparse, and it keeps the bias
-    gap negative. Returns (rows, weights), or None when w_k is not in the hull of those rows."""
-    system, target = _affine_system(head, k, support)
-    vertex = scipy.optimize.linprog(-head.biases(support), A_eq=system, b_eq=target, bounds=(0, None), method="highs")
-    if vertex.status != 0:
-        return None
-    basis = vertex.x > vertex.x.max() * 1e-12
-    exact = np.linalg.lstsq(system[:, basis], target, rcond=None)[0]
-    if not (np.all(exact >= 0) and exact.sum() > 0):
-        return None
-    return support[basis], exact / exact.sum()
-
-
 def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
     """Sharpen approximate convex weights into an exact combination on their support.
 
@@ -164,17 +133,27 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
     keep = weights > weights.max() * 1e-12
     support = indices[keep]
     candidates = [(support, weights[keep] / weights[keep].sum())]
-    affine = affine_weights(head, k, support)
-    if affine is not None:
-        candidates.append((support, affine))
-    system, target = _affine_system(head, k, support)
+    rows = head.rows(support)
+    w_k = head.rows([k])[0]
+    Y = (rows - w_k).T  # d x |S|
+    scale = max(float(np.abs(Y).max()), np.finfo(np.float64).tiny)
+    system = np.vstack([Y, np.full((1, support.size), scale)])
+    target = np.concatenate([np.zeros(head.d), [scale]])
+    affine = np.linalg.lstsq(system, target, rcond=None)[0]
+    if np.all(affine >= 0) and affine.sum() > 0:
+        candidates.append((support, affine / affine.sum()))
     # min ||Y b||^2 + (sum b - 1)^2 over b >= 0 has b* = t alpha* for the min-norm weights alpha*.
     beta = scipy.optimize.nnls(system, target, maxiter=50 * max(support.size, 10))[0]
     if beta.sum() > 0:
         candidates.append((support, beta / beta.sum()))
-    vertex = vertex_weights(head, k, support)
-    if vertex is not None:
-        candidates.append(vertex)
+    # A vertex of {alpha >= 0 : sum alpha_i w_i = w_k, sum alpha = 1} with the largest sum alpha_i b_i,
+    # re-solved exactly on its (at most d + 1 rows) basis: sparse, and it keeps the bias gap negative.
+    vertex = scipy.optimize.linprog(-head.biases(support), A_eq=system, b_eq=target, bounds=(0, None), method="highs")
+    if vertex.status == 0:
+        basis = vertex.x > vertex.x.max() * 1e-12
+        exact = np.linalg.lstsq(system[:, basis], target, rcond=None)[0]
+        if np.all(exact >= 0) and exact.sum() > 0:
+            candidates.append((support[basis], exact / exact.sum()))
     best = None
     for idx, w in candidates:
         nz = w > 0
