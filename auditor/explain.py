@@ -183,8 +183,8 @@ def _explain_tie(head: Head, finding: Finding) -> None:
         finding.explanation += ", and the shared row is inside the hull of the others"
 
 
-def id_ranges(ids: list[int], limit: int = 8) -> str:
-    """``[3, 4, 5, 9]`` -> ``"3–5, 9"``; past ``limit`` ranges, a count of the rest."""
+def id_ranges(ids: list[int], limit: int | None = 8, separator: str = ", ", dash: str = "–") -> str:
+    """``[3, 4, 5, 9]`` -> ``"3–5, 9"``; past ``limit`` ranges (None: no limit), a count of the rest."""
     ids = sorted(ids)
     ranges: list[tuple[int, int]] = []
     for k in ids:
@@ -192,9 +192,10 @@ def id_ranges(ids: list[int], limit: int = 8) -> str:
             ranges[-1] = (ranges[-1][0], k)
         else:
             ranges.append((k, k))
-    parts = [f"{a}" if a == b else f"{a}–{b}" for a, b in ranges[:limit]]
-    rest = sum(b - a + 1 for a, b in ranges[limit:])
-    return ", ".join(parts) + (f" and {rest} more" if rest else "")
+    shown = ranges if limit is None else ranges[:limit]
+    parts = [f"{a}" if a == b else f"{a}{dash}{b}" for a, b in shown]
+    rest = sum(b - a + 1 for a, b in ranges[len(shown):])
+    return separator.join(parts) + (f" and {rest} more" if rest else "")
 
 
 def _summaries(findings: list[Finding], report: AuditReport) -> list[str]:

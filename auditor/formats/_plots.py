@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from auditor.explain import id_ranges
 from auditor.gate import GateResult
 
 VERDICT_COLOURS = {"argmaxable": "#4c78a8", "unargmaxable": "#d62728", "tied": "#ff7f0e",
@@ -105,17 +106,6 @@ def to_svg(figure, name: str, title: str) -> str:
     return svg.replace("<svg ", f'<svg role="img" aria-label="{html.escape(title)}" ', 1)
 
 
-def id_ranges(ids, separator: str = ", ", dash: str = "–") -> str:
-    """[4000, 4001, 4002, 17] -> "17, 4000–4002"."""
-    ids = sorted(ids)
-    runs, start = [], 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[i - 1] + 1:
-            runs.append(str(ids[start]) if i - start == 1 else f"{ids[start]}{dash}{ids[i - 1]}")
-            start = i
-    return separator.join(runs)
-
-
 def _label_points(ax, xs, ys, ids, colour, log_x=False, log_y=False):
     """Annotate points by id; points that would print on top of each other share one label."""
     def unit(values, log):
@@ -138,7 +128,7 @@ def _label_points(ax, xs, ys, ids, colour, log_x=False, log_y=False):
         first = cluster[0]
         crowd = sum(abs(ux[other[0]] - ux[first]) < 0.2 and abs(uy[other[0]] - uy[first]) < 0.2
                     for other in clusters[:number])
-        ax.annotate(id_ranges([ids[i] for i in cluster]), (xs[first], ys[first]), xytext=offsets[crowd % 4],
+        ax.annotate(id_ranges([ids[i] for i in cluster], limit=None), (xs[first], ys[first]), xytext=offsets[crowd % 4],
                     textcoords="offset points", fontsize=8, color=colour, zorder=6,
                     bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.8})
 

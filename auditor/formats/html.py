@@ -15,7 +15,8 @@ import auditor
 from auditor.errors import InputError
 from auditor.formats._common import (FINDING_ORDER, competitors, evidence, has_token_strings, head_lines,
                                      is_failing, left_out_line, token_label, verdict_counts)
-from auditor.formats._plots import draw_plots, id_ranges
+from auditor.explain import id_ranges
+from auditor.formats._plots import draw_plots
 from auditor.formats.json_format import document
 from auditor.gate import DEFAULT_FAIL_ON, GateResult
 
@@ -192,7 +193,7 @@ def reproduce_command(result: GateResult) -> str:
     if report.counts["undecided"]:
         decided = sorted(set(range(report.n_tokens)) - set(report.ids("undecided")))
         if not result.shard or len(decided) != result.shard["stop"] - result.shard["first"]:
-            words += ["--tokens", id_ranges(decided, separator=",", dash="-")]
+            words += ["--tokens", id_ranges(decided, limit=None, separator=",", dash="-")]
     if result.fail_on != DEFAULT_FAIL_ON:
         words += ["--fail-on", ",".join(sorted(result.fail_on)) or "none"]
     if any(f.allowed for f in result.findings):
