@@ -12,10 +12,8 @@ import torch
 from auditor._input import check_options, prepare_inputs, prepare_token_ids, resolve_device
 from auditor.domain import Ball, Domain, Norm, parse_domain
 from auditor.engine import INCONCLUSIVE, STAGES, TIED, UNARGMAXABLE, EngineOptions, decide
-from auditor.engine.certify import check_witnesses_sharpened
-from auditor.engine.head import build_engine_head
 from auditor.errors import InputError
-from auditor.norm import FinalNorm, NormMap, reduce_head
+from auditor.norm import FinalNorm, NormMap, exact_ties, output_error, reduce_head
 from auditor.report import AuditReport
 
 
@@ -72,8 +70,10 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
         w64 = w.to(torch.float64)  # the reduced head is computed, hence float64, in any case
         reduced = reduce_head(w64, b64, final_norm)
         norm_map = NormMap(final_norm, reduced)
+        ties = exact_ties(w64, b64, reduced, final_norm)
         decisions = decide(reduced.weight, reduced.bias, ids, Ball(reduced.radius), options, progress,
-                           reduced.row_error, reduced.bias_error)
+                           reduced.row_error + output_error(w.shape[1]) * torch.linalg.vector_norm(reduced.weight, dim=1),
+                           reduced.bias_error, representative=ties)
         if probability_ceiling:
             _ceilings(decisions, reduced.weight, reduced.bias, ids, Ball(reduced.radius), progress,
                       float(reduced.row_error.max()), float(reduced.bias_error.max()))
@@ -88,10 +88,8 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
                          timings=timings, norm_map=norm_map)
     if norm_map is not None:
         clock = time.perf_counter()
-        _confirm_norm_witnesses(report, w64, b64)
-        _confirm_norm_ties(report, w64, b64, final_norm)
         _hull_fallback(report, w64, b64, options, norm_map.reach)
-        timings["norm_check"] = time.perf_counter() - clock
+        timings["hull_fallback"] = time.perf_counter() - clock
     timings["total"] = time.perf_counter() - started
     return report
 
@@ -111,45 +109,6 @@ def _ceilings(decisions, weight: torch.Tensor, bias: torch.Tensor | None, ids: n
     for j, k in enumerate(ids.tolist()):
         decisions.ceiling[k] = (float(found.lower[j]), float(found.upper[j]), found.point[j])
     decisions.timings["ceilings"] = time.perf_counter() - clock
-
-
-def _confirm_norm_ties(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor | None,
-                       norm: FinalNorm) -> None:
-    """Norm domain: a tie found on the rounded reduced head must hold exactly.
-
-    Rows i and j have equal logits for every output of the norm iff g * (w_i - w_j)
-    is a multiple of the all-ones vector (zero for RMSNorm) and
-    (w_i - w_j) . beta + b_i - b_j = 0. Checked in rational arithmetic; a group
-    that fails is inconclusive rather than falsely tied.
-    """
-    from fractions import Fraction
-
-    d = report._d
-    tied = [k for k in range(report.n_tokens) if d.verdict[k] == TIED and k != d.representative[k]]
-    if not tied:
-        return
-    m = report._norm_map
-    gain = [Fraction(float(v)) for v in m.gain]
-    shift = [Fraction(float(v)) for v in m.shift]
-    rows = weight.cpu().numpy()
-    offsets = bias.cpu().numpy() if bias is not None else np.zeros(rows.shape[0])
-    for k in tied:
-        r = int(d.representative[k])
-        if d.verdict[k] != TIED:
-            continue  # its group was already found not to be a tie
-        diff = [Fraction(float(a)) - Fraction(float(b)) for a, b in zip(rows[k], rows[r])]
-        scaled = [g * x for g, x in zip(gain, diff)]
-        flat = all(v == scaled[0] for v in scaled) if norm.kind == "layernorm" else all(v == 0 for v in scaled)
-        level = sum(x * s for x, s in zip(diff, shift)) + Fraction(float(offsets[k])) - Fraction(float(offsets[r]))
-        if not (flat and level == 0):  # not a tie after all: the whole group is left undecided between them
-            for member in np.nonzero(d.representative == r)[0].tolist():
-                if d.verdict[member] == TIED:
-                    d.verdict[member] = INCONCLUSIVE
-                    d.group_verdict.pop(member, None)
-                    d.explicit_witness.pop(member, None)
-                    d.convex.pop(member, None)
-                    d.witness_scale[member] = np.nan
-                    d.bounds[member] = (-np.inf, np.inf)
 
 
 def _hull_fallback(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -173,7 +132,7 @@ def _hull_fallback(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor
     from auditor.domain import Unbounded
 
     plain = decide(weight, bias, left, Unbounded(), options, progress=False)
-    typical = plain.tolerances["typical_row_norm"]
+    typical = plain.tolerances["typical_spread"]
     for k in left.tolist():
         if plain.verdict[k] != UNARGMAXABLE or k not in plain.convex:
             continue
@@ -185,35 +144,3 @@ def _hull_fallback(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor
         d.bounds.pop(k, None)
         d.stage[k] = STAGES.index("unbounded hull")
         d.verdict[k] = UNARGMAXABLE
-
-
-def _confirm_norm_witnesses(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Push every witness through the norm in float64 and check it against the head as given.
-
-    The engine proved the reduced head's witness; this proves what the model would
-    do with the pre-norm vector. A witness that fails here (a margin lost to the
-    rounding of the norm itself) is dropped: its token (or tie group) becomes
-    inconclusive, with the margin found.
-    """
-    d = report._d
-    ids = np.array([k for k in range(report.n_tokens) if report._engine_witness(k) is not None], dtype=np.int64)
-    if ids.size == 0:
-        return
-    from auditor.domain import Unbounded
-
-    head = build_engine_head(weight, bias, d.representative, Unbounded(), d.tolerances["residual_tol"])
-    for start in range(0, ids.size, 1024):
-        part = ids[start:start + 1024]
-        outputs = np.stack([report.witness(int(k)) for k in part])
-        check = check_witnesses_sharpened(head, part, torch.as_tensor(outputs, device=weight.device))
-        for j, k in enumerate(part.tolist()):
-            d.margin[k] = check.margin[j]
-            if check.certified[j]:
-                continue
-            d.explicit_witness.pop(k, None)
-            d.witness_scale[k] = np.nan
-            d.bounds[k] = (float(check.margin[j]), np.inf)
-            if d.verdict[k] == TIED:
-                d.group_verdict[k] = INCONCLUSIVE
-            else:
-                d.verdict[k] = INCONCLUSIVE

@@ -32,6 +32,13 @@ from auditor.errors import InputError
 
 KINDS = ("layernorm", "rmsnorm")
 
+# How far the norm's exact output for the reported pre-norm vector x may be from the engine's
+# point y, relative to ||y||: NormMap.outputs centres y, scales it by c = sqrt(eps / (1 - ||u||^2 / d))
+# and the norm divides it by sqrt(var + eps) again, each a few d roundings of unit 2^-53 (at most
+# 8 (d + 8) of them in all), plus the 1e-12 pull inside the sphere. The engine adds this times
+# ||w_i|| to each reduced row's error bound, so that its float64 check of y proves the win at x.
+OUTPUT_ERROR_PER_DIMENSION = 8 * 2.0**-53
+
 
 @dataclass
 class FinalNorm:
@@ -119,6 +126,10 @@ def apply_norm(x: np.ndarray, norm: FinalNorm, gain: np.ndarray, shift: np.ndarr
     return gain * (x / math.sqrt(float(x @ x) / x.shape[0] + norm.eps))
 
 
+def output_error(d: int) -> float:
+    return OUTPUT_ERROR_PER_DIMENSION * (d + 8) + 2e-12
+
+
 class NormMap:
     """Turns a witness of the reduced head (a point y of the ball) into the model's terms."""
 
@@ -141,3 +152,70 @@ class NormMap:
             u = u * (1 - 1e-12) * math.sqrt(radius2 / float(u @ u))
         x = pre_norm(u, self.norm)
         return x, apply_norm(x, self.norm, self.gain, self.shift)
+
+
+def exact_ties(weight: torch.Tensor, bias: torch.Tensor | None, reduced: ReducedHead, norm: FinalNorm) -> np.ndarray:
+    """``representative[i]``: the smallest id whose logits equal row i's at every output of the norm.
+
+    Rows i and j tie there iff g * (w_i - w_j) is a multiple of the all-ones vector
+    (zero for RMSNorm) and (w_i - w_j) . beta + b_i - b_j = 0: their reduced rows and
+    biases are then equal in exact arithmetic, though their rounded ones may differ.
+    Candidates are rows whose reduced rows project to within their error bounds of
+    each other along one fixed random direction; each candidate pair is then
+    compared exactly, in rational arithmetic, so rounding can neither make nor
+    break a tie.
+    """
+    n, d = reduced.weight.shape
+    generator = torch.Generator().manual_seed(0x7115)
+    direction = torch.randn(d + 1, generator=generator, dtype=torch.float64).to(reduced.weight.device)
+    keys = reduced.weight @ direction[:d] + reduced.bias * direction[d]
+    spread = (reduced.weight.abs() @ direction[:d].abs() + reduced.bias.abs() * direction[d].abs())
+    # each key within this of the exact rows' key: the derived rows' error, and the projection's own rounding
+    slack = (reduced.row_error * float(torch.linalg.vector_norm(direction[:d])) + reduced.bias_error * abs(float(direction[d]))
+             + 2 * (d + 2) * 2.0**-53 * spread) * 2 + 1e-300
+    keys, slack = keys.cpu().numpy(), slack.cpu().numpy()
+    order = np.argsort(keys, kind="stable")
+    representative = np.arange(n, dtype=np.int64)
+    exact = _ExactRows(weight, bias, reduced, norm)
+    start = 0
+    for stop in range(1, n + 1):  # runs of keys each within reach of the previous one
+        if stop < n and keys[order[stop]] - keys[order[stop - 1]] <= slack[order[stop]] + slack[order[stop - 1]]:
+            continue
+        if stop - start > 1:
+            members = np.sort(order[start:stop])
+            leaders: list[int] = []
+            for i in members.tolist():
+                for j in leaders:
+                    if exact.tied(i, j):
+                        representative[i] = j
+                        break
+                else:
+                    leaders.append(i)
+        start = stop
+    return representative
+
+
+class _ExactRows:
+    """The tie test of ``exact_ties`` on pairs of rows, in rational arithmetic."""
+
+    def __init__(self, weight, bias, reduced: ReducedHead, norm: FinalNorm):
+        from fractions import Fraction
+
+        self.fraction = Fraction
+        self.weight = weight
+        self.bias = bias
+        self.layernorm = norm.kind == "layernorm"
+        self.gain = [Fraction(float(v)) for v in reduced.gain.cpu().numpy()]
+        self.shift = [Fraction(float(v)) for v in reduced.shift.cpu().numpy()]
+
+    def tied(self, i: int, j: int) -> bool:
+        F = self.fraction
+        row_i = self.weight[i].cpu().numpy()
+        row_j = self.weight[j].cpu().numpy()
+        offset = (F(float(self.bias[i])) - F(float(self.bias[j]))) if self.bias is not None else F(0)
+        if np.array_equal(row_i, row_j):
+            return offset == 0
+        diff = [F(float(a)) - F(float(b)) for a, b in zip(row_i, row_j)]
+        scaled = [g * x for g, x in zip(self.gain, diff)]
+        flat = all(v == scaled[0] for v in scaled) if self.layernorm else all(v == 0 for v in scaled)
+        return flat and sum(x * s for x, s in zip(diff, self.shift)) + offset == 0

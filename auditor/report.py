@@ -153,7 +153,7 @@ class AuditReport:
         scale = d.witness_scale[k]
         if not np.isfinite(scale):
             return None
-        direction = self._row(k)
+        direction = self._row(int(d.representative[k]))  # a group's witness is its representative's
         if d.witness_shift[k]:
             direction = direction - d.witness_shift[k] * d.centre
         return direction * scale if scale != 1.0 else direction
@@ -213,7 +213,7 @@ class AuditReport:
                 elif k in d.explicit_witness:
                     entry["witness"] = [float(v) for v in token.witness]
                 else:
-                    entry["witness"] = {"row": k, "minus_centre": float(d.witness_shift[k]),
+                    entry["witness"] = {"row": int(d.representative[k]), "minus_centre": float(d.witness_shift[k]),
                                         "scale": float(d.witness_scale[k])}
             if token.convex_indices is not None:
                 entry["convex"] = {"indices": [int(i) for i in token.convex_indices],

@@ -166,13 +166,13 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
                 result.fail(k, f"witness: does not beat token {rival} beyond rounding")
 
     tol = report.tolerances["residual_tol"]
-    views = [(report.domain, W, b, _typical_row_norm(W, b))]
+    views = [(report.domain, W, b, _typical_spread(W, b))]
     if norm is not None:  # the hull on the rows as given, or the ball question on the reduced head
         kind, gain, shift, _ = norm
         reduced = _reduced_rows(W, norm)
         reduced_bias = W @ shift + b
         views = [(_UNBOUNDED, W, b, views[0][3]),
-                 (Ball(math.sqrt(d)), reduced, reduced_bias, _typical_row_norm(reduced, reduced_bias))]
+                 (Ball(math.sqrt(d)), reduced, reduced_bias, _typical_spread(reduced, reduced_bias))]
     for token in tokens:
         if token.convex_indices is None:
             continue
@@ -201,12 +201,14 @@ def _tied(W: np.ndarray, b: np.ndarray, k: int, j: int, norm) -> bool:
     return flat and level == 0
 
 
-def _typical_row_norm(W: np.ndarray, b: np.ndarray) -> float:
-    """The 10th-percentile norm of the distinct non-zero rows, as the acceptance rule defines it."""
+def _typical_spread(W: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
+    """The mean c of the distinct rows and the 10th-percentile non-zero ||w_i - c|| among them,
+    as the acceptance rule defines them (distances from the mean: a common offset changes nothing)."""
     distinct = np.unique(np.hstack([W, b[:, None]]), axis=0)[:, :-1]
-    norms = _norm(distinct, axis=1)
+    centre = distinct.mean(axis=0)
+    norms = _norm(distinct - centre, axis=1)
     positive = np.sort(norms[norms > 0])
-    return float(positive[max(1, int(0.1 * positive.size)) - 1]) if positive.size else 0.0
+    return centre, (float(positive[max(1, int(0.1 * positive.size)) - 1]) if positive.size else 0.0)
 
 
 def _reduced_rows(W: np.ndarray, norm) -> np.ndarray:
@@ -231,9 +233,10 @@ def _inside(domain, z: np.ndarray) -> bool:
     return True
 
 
-def _convex_failure(domain, W, b, token, group: set, tol: float, typical: float) -> str | None:
+def _convex_failure(domain, W, b, token, group: set, tol: float, spread) -> str | None:
     """Why the convex weights do not certify the token in this view; None when they do."""
     k = token.id
+    centre, typical = spread
     idx = np.asarray(token.convex_indices, dtype=np.int64)
     alpha = np.asarray(token.convex_weights, dtype=np.float64)
     if idx.size == 0:
@@ -246,20 +249,22 @@ def _convex_failure(domain, W, b, token, group: set, tol: float, typical: float)
         return f"the weights sum to {alpha.sum():.17g}, not 1"
     d = W.shape[1]
     s = idx.size
-    rows = W[idx]
-    offset = W[k] - alpha @ rows
-    norms = _norm(rows, axis=1)
-    r_k = float(_norm(W[k]))
-    involved = float(alpha @ norms)
-    # rounding of the combination and of alpha's sum, added on the unfavourable side
-    slack = 2 * _gamma(s + 2) * involved + (abs(alpha.sum() - 1.0) + _gamma(s)) * r_k
-    if involved + r_k > 0:  # products of exact zeros cannot underflow
+    beta = alpha / alpha.sum()  # the certificate is the point alpha / sum(alpha) of the simplex
+    # w_k - sum beta_i w_i = -sum beta_i (w_i - w_k): differences first, each rounded relative to
+    # itself, so a common offset of the rows adds no error
+    differences = W[idx] - W[k]
+    offset = -(beta @ differences)
+    r_k = float(_norm(W[k] - centre))
+    involved = float(beta @ _norm(differences, axis=1))
+    slack = 2 * _gamma(s + 3) * involved
+    if involved > 0:  # products of exact zeros cannot underflow
         slack += 4 * (d + 4) * _ETA
     residual = float(_norm(offset)) * (1 + _gamma(d + 1)) + slack
     gap = 0.0
-    if b[k] != 0 or np.any(b[idx]):  # as the engine: products of zero biases cannot underflow
-        gap = (float(b[k] - alpha @ b[idx]) + 2 * _gamma(s + 2) * float(alpha @ np.abs(b[idx]))
-               + (abs(alpha.sum() - 1.0) + _gamma(s)) * abs(float(b[k])) + 4 * _ETA)
+    bias_differences = b[k] - b[idx]
+    if np.any(bias_differences):  # as the engine: products of zeros cannot underflow
+        gap = (float(beta @ bias_differences) + 2 * _gamma(s + 3) * float(beta @ np.abs(bias_differences))
+               + 4 * _ETA)
     hull = residual <= tol * max(r_k, typical) and gap <= 0
     if hull:
         return None

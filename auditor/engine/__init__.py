@@ -26,13 +26,13 @@ import torch
 from tqdm import tqdm
 
 from auditor.domain import Domain
-from auditor.errors import InputError
 from auditor.engine.caratheodory import Pool, from_pool, reduce_support
 from auditor.engine.certify import check_convex, check_witnesses
 from auditor.engine.frank_wolfe import frank_wolfe
 from auditor.engine.head import EngineHead, build_engine_head, storage_dtype
 from auditor.engine.interior import interior_certificates
 from auditor.engine.lp import lp_decide, polish
+from auditor.engine.normal_form import NormalForm, _power, normal_form
 from auditor.engine.screen import screen
 from auditor.engine.ties import duplicate_groups
 from auditor.engine.tilt import tilted_certificates
@@ -76,56 +76,32 @@ def _bar(total: int, desc: str, enabled: bool):
                 leave=False, unit="tok", dynamic_ncols=True)
 
 
-def _power_of_two_scale(weight: torch.Tensor, bias: torch.Tensor | None):
-    """Rescale a head whose entries are far from 1 by an exact power of two.
-
-    Logits scale by the same factor, so verdicts and witnesses do not change;
-    it keeps norms, products and the rounding bounds away from overflow and
-    underflow. Returns (weight, bias, factor); factor 1 leaves the tensors alone.
-    """
-    peak = float(weight.abs().max())
-    if bias is not None:
-        peak = max(peak, float(bias.abs().max()))
-    if peak == 0.0:
-        return weight, bias, 1.0
-    exponent = math.frexp(peak)[1]
-    if -100 <= exponent <= 100:
-        return weight, bias, 1.0
-    half = -exponent // 2  # two steps: 2**1074 itself is not a float64
-    factor = math.ldexp(1.0, half) * math.ldexp(1.0, -exponent - half)
-
-    def rescale(t):
-        scaled = t * math.ldexp(1.0, half) * math.ldexp(1.0, -exponent - half)
-        if not torch.equal(scaled * math.ldexp(1.0, -half) * math.ldexp(1.0, exponent + half), t):
-            raise InputError("the head spans more orders of magnitude than float64 can hold exactly "
-                             f"(largest entry {peak:.3g}); rescale it")
-        return scaled
-
-    return rescale(weight), (rescale(bias) if bias is not None else None), factor
-
-
 def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, domain: Domain,
            options: EngineOptions, progress: bool, row_error: torch.Tensor | None = None,
-           bias_error: torch.Tensor | None = None) -> Decisions:
+           bias_error: torch.Tensor | None = None, representative: np.ndarray | None = None) -> Decisions:
     """Decide tokens ``ids``. ``row_error`` / ``bias_error`` bound how far derived rows (the norm
-    domain's reduced head) may be from the exact ones; convex certificates allow for them."""
+    domain's reduced head) may be from the exact ones; convex certificates allow for them.
+    ``representative`` gives the groups of tied rows when the caller knows them exactly (the
+    norm domain); otherwise rows are tied when they are equal in value."""
     n = weight.shape[0]
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     weight = weight.to(storage_dtype(weight))  # no copy for a float32 head
-    weight, bias, factor = _power_of_two_scale(weight, bias)
-    if factor != 1.0:
-        row_error = row_error * factor if row_error is not None else None
-        bias_error = bias_error * factor if bias_error is not None else None
-    representative = duplicate_groups(weight, bias)
-    head = build_engine_head(weight, bias, representative, domain, options.residual_tol, row_error, bias_error)
+    if representative is None:
+        representative = duplicate_groups(weight, bias)  # on the rows as given, before any rounding
+    competitor = torch.as_tensor(representative == np.arange(n), device=weight.device)
+    form = normal_form(weight, bias, domain, competitor, row_error, bias_error)
+    del weight, bias
+    head = build_engine_head(form.weight, form.bias, representative, form.domain, options.residual_tol,
+                             form.row_error, form.bias_error)
     timings["ties"] = time.perf_counter() - clock
 
     out = Decisions(
         verdict=np.zeros(n, dtype=np.int8), margin=np.full(n, np.nan), runner_up=np.full(n, -1, dtype=np.int64),
         stage=np.zeros(n, dtype=np.int8), witness_shift=np.zeros(n), witness_scale=np.full(n, np.nan),
         representative=representative, centre=head.witness_centre.cpu().numpy(),
-        tolerances={"residual_tol": options.residual_tol, "typical_row_norm": head.typical_row_norm / factor,
+        tolerances={"residual_tol": options.residual_tol,
+                    "typical_spread": head.typical_spread * _power(-form.weight_exponent),
                     "logit_error_factor": head.error_factor},
     )
     todo = np.unique(representative[ids])
@@ -198,7 +174,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     _sparsify(head, out)
     timings["sparsify"] = time.perf_counter() - clock
 
-    _unscale(out, factor, head)
+    _unscale(out, form, head)
     _spread_to_groups(out, ids)
     out.timings = timings
     return out
@@ -214,27 +190,40 @@ def _upper_bounds_margin(head: EngineHead) -> bool:
     return head.domain.bounded or head.bias is None
 
 
-def _unscale(out: Decisions, factor: float, head: EngineHead) -> None:
-    """Report margins, residuals and the centre in the units of the head as given."""
-    if factor == 1.0:
-        return
-    out.margin /= factor
-    # The formula witness s (w_k - t c) refers to the rows as given, so s takes the factor. Where
-    # that leaves the normal float range, store the very point that was checked instead.
+def _unscale(out: Decisions, form: NormalForm, head: EngineHead) -> None:
+    """Report margins, residuals, witnesses and the centre in the units of the head as given.
+
+    The normal form's logits are 2^c times the given ones, its rows 2^a times the given
+    (translated) rows, and its point y is the point z = 2^(a - c) y (normal_form.py).
+    """
+    a, c = form.weight_exponent, form.logit_exponent
+    logit_unit, row_unit, point_factor = _power(-c), _power(-a), form.point_factor
+    out.margin *= logit_unit
+    for k in list(out.explicit_witness):
+        out.explicit_witness[k] = out.explicit_witness[k] * point_factor
+    # The formula witness s (w_k - t c) refers to the rows as given: z = 2^(a-c) s 2^a (w_k - t c)
+    # takes the scale 2^(2a-c) s. Where that leaves the normal float range, or the rows were
+    # translated (the formula's rows are then not the given ones), store the very point checked.
     with np.errstate(over="ignore", under="ignore"):
-        scaled = out.witness_scale * factor
+        scaled = out.witness_scale * _power(2 * a - c)
     normal = ~np.isfinite(out.witness_scale) | (np.isfinite(scaled) & (np.abs(scaled) >= np.finfo(np.float64).tiny))
+    if form.translation is not None:
+        normal = ~np.isfinite(out.witness_scale)
     for k in np.nonzero(~normal)[0].tolist():
         row = head.rows64([k])[0]
         direction = row - out.witness_shift[k] * head.witness_centre if out.witness_shift[k] else row
-        out.explicit_witness[k] = (direction * float(out.witness_scale[k])).cpu().numpy()
+        out.explicit_witness[k] = (direction * float(out.witness_scale[k])).cpu().numpy() * point_factor
         scaled[k] = np.nan
     out.witness_scale = scaled
-    out.centre = out.centre / factor
+    out.centre = out.centre * row_unit
+    if form.translation is not None:
+        out.centre = out.centre + form.translation.cpu().numpy()
+    residual_unit = logit_unit if head.domain.bounded else row_unit
     for k, (indices, weights, residual, gap) in out.convex.items():
-        out.convex[k] = (indices, weights, residual / factor, gap / factor)
+        out.convex[k] = (indices, weights, residual * residual_unit, gap * logit_unit)
     for k, (lower, upper) in out.bounds.items():
-        out.bounds[k] = (lower / factor, upper / factor)
+        out.bounds[k] = (lower * logit_unit, upper * (logit_unit if head.domain.bounded or head.bias is None
+                                                       else row_unit))
 
 
 def _set_witness(out: Decisions, k: int, witness: np.ndarray, margin: float, runner_up: int, stage: str) -> None:

@@ -80,11 +80,16 @@ def _check_block(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor, exa
         logits += head.row_mask[None, :]
     own = logits[rows, k].clone()
     logits[rows, k] = -torch.inf
+    norm_z = safe_norm(witnesses, dim=1)
     if exact_bound:
         error = _abs_products(head, witnesses.abs())  # B x n: |w_i| . |z|
         if head.bias is not None:
             error += head.bias.abs()[None, :]
         error = head.error_factor * error + head.underflow_floor
+        if head.row_error is not None:  # derived rows: each logit also moves by at most row_error_i ||z||
+            error += head.row_error[None, :] * norm_z[:, None]
+        if head.bias_error is not None:
+            error += head.bias_error[None, :]
         own_error = error[rows, k].clone()
         best, runner_up = (logits + error).max(dim=1)  # the rival's logit at its most favourable rounding
         margin = own - (best - error[rows, runner_up])
@@ -92,13 +97,23 @@ def _check_block(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor, exa
     else:
         best, runner_up = logits.max(dim=1)
         margin = own - best
-        norm_z = safe_norm(witnesses, dim=1)
         own_bias = head.bias[k].abs() if head.bias is not None else 0.0
         tolerance = (head.error_factor * ((head.row_norm[k] + head.max_row_norm) * norm_z + own_bias
-                                          + head.max_abs_bias) + head.underflow_floor)
+                                          + head.max_abs_bias) + head.underflow_floor + derived_error(head, k, norm_z))
         certified = proves_positive(margin, tolerance)
     certified = certified & inside_domain(head.domain, witnesses)
     return WitnessCheck(margin.cpu().numpy(), certified.cpu().numpy(), runner_up.cpu().numpy())
+
+
+def derived_error(head: EngineHead, k: torch.Tensor, norm_z: torch.Tensor):
+    """How far token k's lead over any rival at a point of norm ``norm_z`` may move because the
+    stored rows and biases are derived (translated, normalised) and only within their error bounds."""
+    error = torch.zeros_like(norm_z)
+    if head.row_error is not None:
+        error = error + (head.row_error[k] + head.max_row_error) * norm_z
+    if head.bias_error is not None:
+        error = error + head.bias_error[k] + head.max_bias_error
+    return error
 
 
 def _abs_products(head: EngineHead, abs_witnesses: torch.Tensor) -> torch.Tensor:
@@ -135,20 +150,21 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
     alpha = torch.as_tensor(weights, device=device)
     s = indices.size
     total = float(alpha.sum())
-    # The certificate is about alpha / sum(alpha), an exact point of the simplex.
-    drift = abs(total - 1.0) + gamma(s)
+    # The certificate is about beta = alpha / sum(alpha), an exact point of the simplex, and
+    # sum beta_i w_i - w_k = sum beta_i (w_i - w_k): the differences are formed first, each rounded
+    # relative to itself, so the error is a fraction of the rows' spread whatever offset they share.
     w_k = head.rows64([k])[0]
-    r_k = float(head.row_norm[k])
-    if 4 * s > head.n:  # a dense combination: one product with W, no copy of its rows
+    if 4 * s > head.n:  # a dense combination: by blocks of the head, no copy of its rows
         dense = torch.zeros(head.n, dtype=torch.float64, device=device).index_put_((index,), alpha)
-        combination = head.combine(dense[None, :])[0] / total
+        combination = head.combine_offsets(dense, w_k) / total
     else:
-        combination = (alpha @ head.rows64(index)) / total
-    offset_t = w_k - combination
+        combination = (alpha @ (head.rows64(index) - w_k)) / total
+    offset_t = -combination  # w_k - sum beta_i w_i
     offset = offset_t.cpu().numpy()
-    involved = float(alpha @ head.row_norm[index]) / total
-    error = 2 * gamma(s + 2) * involved + drift * r_k
-    if involved + r_k > 0:  # products of exact zeros cannot underflow
+    # ||w_i - w_k|| <= ||w_i - c|| + ||w_k - c||, bounded by the stored spreads
+    involved = float(alpha @ head.spread_norm[index]) / total + float(head.spread_norm[k])
+    error = 2 * gamma(s + 3) * involved
+    if involved > 0:  # products of exact zeros cannot underflow
         error += head.underflow_floor
     if head.row_error is not None:  # the rows are computed from the model's; their own error counts too
         error += float(alpha @ head.row_error[index]) / total + float(head.row_error[k])
@@ -156,11 +172,11 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
 
     gap = 0.0
     if head.bias is not None:
-        b = head.bias[index]
-        b_k = float(head.bias[k])
-        gap = b_k - float(alpha @ b) / total
-        gap += 2 * gamma(s + 2) * float(alpha @ b.abs()) / total + drift * abs(b_k)
-        if b_k != 0 or bool(b.any()):
+        b_k = head.bias[k]
+        differences = b_k - head.bias[index]  # b_k - b_i, each rounded relative to itself
+        gap = float(alpha @ differences) / total
+        gap += 2 * gamma(s + 3) * float(alpha @ differences.abs()) / total
+        if bool(differences.any()):
             gap += head.underflow_floor
         if head.bias_error is not None:
             gap += float(alpha @ head.bias_error[index]) / total + float(head.bias_error[k])

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from auditor.domain import Domain
-from auditor.engine.rounding import UNIT_ROUNDOFF_32, logit_error_factor, safe_norm, underflow_floor
+from auditor.engine.rounding import UNIT_ROUNDOFF_32, gamma, logit_error_factor, safe_norm, underflow_floor
 
 
 @dataclass
@@ -33,7 +33,9 @@ class EngineHead:
     row_mask: torch.Tensor | None  # n, 0 or -inf; None when there are no duplicates
     row_norm: torch.Tensor  # n, ||w_i||
     max_row_norm: float  # over competitors
-    typical_row_norm: float  # 10th percentile of the non-zero competitor row norms: a scale no outlier can inflate
+    spread_norm: torch.Tensor  # n, an upper bound on ||w_i - centre||: the row's distance from the cloud's mean
+    typical_spread: float  # 10th percentile of the non-zero competitor spreads: a scale no outlier can inflate
+    max_spread: float  # over competitors
     max_abs_bias: float  # over competitors, 0 without bias
     centre: torch.Tensor  # d, mean of the competitor rows
     witness_centre: torch.Tensor  # d, the centre c of formula witnesses s (w_k - t c): rounded to the storage
@@ -42,6 +44,14 @@ class EngineHead:
     residual_tol: float  # relative tolerance for the residual of a convex certificate
     row_error: torch.Tensor | None = None  # bound on ||stored row - exact row|| when the rows were derived
     bias_error: torch.Tensor | None = None  # likewise for the bias
+
+    @property
+    def max_row_error(self) -> float:
+        return float(self.row_error[self.competitor].max()) if self.row_error is not None else 0.0
+
+    @property
+    def max_bias_error(self) -> float:
+        return float(self.bias_error[self.competitor].max()) if self.bias_error is not None else 0.0
 
     @property
     def n(self) -> int:
@@ -70,15 +80,18 @@ class EngineHead:
     def residual_tolerance(self, k: int) -> float:
         """Largest residual ||sum_i alpha_i w_i - w_k|| a certificate for token k may rest on.
 
-        residual_tol times the larger of ||w_k|| and a typical row norm: the
-        token can then lead by at most that fraction of a typical logit scale.
-        A few huge rows cannot loosen it, and cancelling huge rows cannot pass.
+        residual_tol times the larger of ||w_k - c|| and a typical ||w_i - c||,
+        c the mean row: the token can then lead by at most that fraction of the
+        logit differences the rows make. Measured from the mean, not the origin,
+        so that a common offset of all rows (which changes no verdict) cannot
+        loosen it; a few far rows cannot either. A hair below the rule
+        auditor.verify applies, so that its own rounding of c cannot disagree.
         """
-        return self.residual_tol * max(float(self.row_norm[k]), self.typical_row_norm)
+        return _STRICTER * self.residual_tol * max(float(self.spread_norm[k]), self.typical_spread)
 
     def exit_tolerance(self) -> float:
         """Residual below which Frank-Wolfe stops and hands its weights to the certificate check."""
-        return self.residual_tol * max(self.max_row_norm, np.finfo(np.float64).tiny)
+        return self.residual_tol * max(self.max_spread, np.finfo(np.float64).tiny)
 
     _precision: torch.Tensor | None = None
     _covariance: torch.Tensor | None = None
@@ -166,6 +179,18 @@ class EngineHead:
             total += alpha[:, s:e] @ rows
         return total
 
+    def combine_offsets(self, alpha: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """sum_i alpha_i (w_i - w) in float64 (d, for n weights alpha), differences first, by blocks of rows.
+
+        Each difference is rounded relative to itself, so the error is a
+        fraction of the spread of the rows, whatever offset they share.
+        """
+        total = torch.zeros(self.d, dtype=torch.float64, device=self.device)
+        for s in range(0, self.n, _BLOCK_ROWS):
+            rows = self.weight[s:s + _BLOCK_ROWS].to(torch.float64)
+            total += alpha[s:s + _BLOCK_ROWS] @ (rows - w)
+        return total
+
     def biases(self, ids) -> np.ndarray:
         if self.bias is None:
             return np.zeros(len(ids))
@@ -174,16 +199,22 @@ class EngineHead:
 
 
 _BLOCK_ROWS = 2048  # rows converted to float64 at a time (12 MiB at d = 768)
+_STRICTER = 1 - 2.0**-20
 
 
-def robust_row_norms(weight: torch.Tensor) -> torch.Tensor:
-    """float64 Euclidean row norms that do not underflow, without a rescaled copy of the whole head."""
+def robust_row_norms(weight: torch.Tensor, centre: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 Euclidean norms of the rows (of w_i - centre when given) that do not underflow,
+    without a rescaled copy of the whole head."""
+    def rows(s, e):
+        block = weight[s:e].to(torch.float64)
+        return block - centre if centre is not None else block
+
     norms = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
     for s in range(0, weight.shape[0], _BLOCK_ROWS):
-        norms[s:s + _BLOCK_ROWS] = torch.linalg.vector_norm(weight[s:s + _BLOCK_ROWS].to(torch.float64), dim=1)
+        norms[s:s + _BLOCK_ROWS] = torch.linalg.vector_norm(rows(s, s + _BLOCK_ROWS), dim=1)
     tiny = torch.nonzero(norms < 1e-150).flatten()  # only these can have underflowed
-    if tiny.numel():
-        norms[tiny] = safe_norm(weight.index_select(0, tiny).to(torch.float64), dim=1)
+    for i in tiny.tolist():
+        norms[i] = safe_norm(rows(i, i + 1), dim=1)[0]
     return norms
 
 
@@ -220,6 +251,7 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
     for s in range(0, weight.shape[0], _BLOCK_ROWS):
         centre += weight[s:s + _BLOCK_ROWS][competitor[s:s + _BLOCK_ROWS]].to(torch.float64).sum(dim=0)
     centre /= int(competitor.sum())
+    spread_norm = robust_row_norms(weight, centre) * (1 + gamma(weight.shape[1] + 2)) + underflow_floor(weight.shape[1])
     witness_centre = centre.to(weight.dtype).to(torch.float64)  # a float32 head's screen uses it as it is
     centre_logits = torch.empty(weight.shape[0], dtype=torch.float64, device=device)
     for s in range(0, weight.shape[0], _BLOCK_ROWS):
@@ -232,7 +264,9 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
         row_mask=row_mask,
         row_norm=row_norm,
         max_row_norm=float(row_norm[competitor].max()),
-        typical_row_norm=_low_quantile(row_norm[competitor]),
+        spread_norm=spread_norm,
+        typical_spread=_low_quantile(spread_norm[competitor]),
+        max_spread=float(spread_norm[competitor].max()),
         max_abs_bias=0.0 if bias is None else float(bias[competitor].abs().max()),
         centre=centre,
         witness_centre=witness_centre,

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from auditor.domain import Ball, Box
-from auditor.engine.certify import check_witnesses_sharpened, inside_domain
+from auditor.engine.certify import check_witnesses_sharpened, derived_error, inside_domain
 from auditor.engine.head import EngineHead
 from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, logit_error_factor,
                                      proves_positive, safe_norm, underflow_floor)
@@ -112,7 +112,7 @@ class _Arithmetic:
 
     def __init__(self, head: EngineHead):
         finite = head.bias is None or head.max_abs_bias <= 2.0**60
-        in_range = 2.0**-40 <= head.typical_row_norm and head.max_row_norm <= 2.0**40 and finite
+        in_range = 2.0**-40 <= head.typical_spread and head.max_row_norm <= 2.0**40 and finite
         self.dtype = torch.float32 if head.weight.dtype == torch.float32 and in_range else torch.float64
         self.weight = head.weight.to(self.dtype)  # the head itself unless a float32 head is out of range
         if self.dtype == torch.float32:
@@ -223,6 +223,7 @@ def _screen_chunk(head: EngineHead, arithmetic: _Arithmetic, ids: np.ndarray, re
                          + 2 * t * arithmetic.centre_error * (scale if head.bias is not None else 1.0))
             if own_bias is not None:
                 tolerance = tolerance + arithmetic.error_factor * head.bias[k].abs()
+            tolerance = tolerance + derived_error(head, k, size * torch.ones_like(norm_k))
             certified = (proves_positive(margin, tolerance, unit) & torch.isfinite(own).to(torch.bool)
                          & inside_domain(head.domain, directions * scale[:, None]))
             if head.bias is None:

@@ -1,0 +1,140 @@
+"""The head in a normal form, so that transformations that change no verdict change no answer.
+
+Before deciding, the engine rewrites the question exactly (or with a stated
+rounding bound) into one whose numbers sit near 1:
+
+- the bias is taken relative to its lower median b_m (an entry of b):
+  b - b_m. Adding a constant to every bias leaves this unchanged, and a
+  bias that is constant becomes no bias at all. Each entry's rounding,
+  at most u |b_i - b_m|, is added to the bias error bound;
+- the weight is scaled by 2^a so that its largest entry lies in [1/2, 1),
+  the bias by 2^c and the radius of a bounded domain by 2^(c - a), so that
+  it lies in [1/2, 1) too. Logits then scale by 2^c, a point y of the
+  normal form is the point z = 2^(a - c) y of the question as given, and
+  margins, residuals and bounds are scaled back by the same exact powers of
+  two. Scaling the head, the bias or the radius by a power of two in any of
+  the ways the spec lists gives bit-identical numbers here, hence identical
+  verdicts;
+- when the rows share a common offset far larger than their spread
+  (``_OFFSET_RATIO``), the rows are translated by their mean c: logits all
+  change by c . z, so no verdict does. The translated rows are float64,
+  each within u |w_i - c| of exact, added to the row error bound.
+
+Ties are found on the rows as given, before any rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from auditor.domain import Ball, Box, Domain
+from auditor.errors import InputError
+
+_UNIT = 2.0**-53
+_OFFSET_RATIO = 64.0  # translate when the mean row is this many typical spreads from the origin
+_BLOCK_ROWS = 2048
+
+
+@dataclass
+class NormalForm:
+    weight: torch.Tensor  # 2^a (W - translation), float32 when that is exact, else float64
+    bias: torch.Tensor | None  # 2^c (b - b_m), None when b is constant
+    domain: Domain  # with radius 2^(c - a) r
+    row_error: torch.Tensor | None
+    bias_error: torch.Tensor | None
+    weight_exponent: int  # a
+    logit_exponent: int  # c
+    translation: torch.Tensor | None  # the offset subtracted from every row (units of the rows as given)
+
+    @property
+    def point_factor(self) -> float:
+        """z = point_factor * y for a point y of the normal form."""
+        return _power(self.weight_exponent - self.logit_exponent)
+
+
+def _power(e: int) -> float:
+    half = e // 2  # two steps: 2**1074 itself is not a float64
+    return math.ldexp(1.0, half) * math.ldexp(1.0, e - half)
+
+
+def _exponent(peak: float) -> int:
+    """e such that peak * 2^e lies in [1/2, 1); 0 for a zero peak."""
+    return 0 if peak == 0.0 else -math.frexp(peak)[1]
+
+
+def _scaled(t: torch.Tensor, e: int, what: str) -> torch.Tensor:
+    if e == 0:
+        return t
+    factor_a, factor_b = math.ldexp(1.0, e // 2), math.ldexp(1.0, e - e // 2)
+    scaled = t * factor_a * factor_b
+    if not torch.equal(scaled * (1 / factor_a) * (1 / factor_b), t):
+        if t.dtype == torch.float32:  # float32's narrower range: float64 holds it exactly
+            return _scaled(t.to(torch.float64), e, what)
+        raise InputError(f"the {what} spans more orders of magnitude than float64 can hold exactly "
+                         f"(largest entry {float(t.abs().max()):.3g}); rescale it")
+    return scaled
+
+
+def _lower_median(values: torch.Tensor) -> float:
+    ordered = torch.sort(values).values
+    return float(ordered[(ordered.numel() - 1) // 2])
+
+
+def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain, competitor: torch.Tensor,
+                row_error: torch.Tensor | None = None, bias_error: torch.Tensor | None = None) -> NormalForm:
+    """Rewrite the head (``competitor`` marks one row per group of exact duplicates) in the normal form."""
+    if bias is not None:
+        reference = _lower_median(bias[competitor])
+        relative = bias - reference
+        if not bool(relative.any()) and bias_error is None:
+            bias = None  # a constant bias moves every logit alike
+        else:
+            rounding = relative.abs() * (_UNIT / (1 - _UNIT))  # |fl(b_i - b_m) - (b_i - b_m)|
+            bias_error = rounding if bias_error is None else bias_error + rounding
+            bias = relative
+
+    translation = None
+    centre, spread = _centre_and_spread(weight, competitor)
+    if spread > 0 and float(torch.linalg.vector_norm(centre)) > _OFFSET_RATIO * spread:
+        translated = torch.empty(weight.shape, dtype=torch.float64, device=weight.device)
+        for s in range(0, weight.shape[0], _BLOCK_ROWS):
+            translated[s:s + _BLOCK_ROWS] = weight[s:s + _BLOCK_ROWS].to(torch.float64) - centre
+        rounding = torch.linalg.vector_norm(translated, dim=1) * (_UNIT / (1 - _UNIT))
+        row_error = rounding if row_error is None else row_error + rounding
+        weight, translation = translated, centre
+
+    a = _exponent(float(weight.abs().max()) if weight.numel() else 0.0)
+    if isinstance(domain, (Ball, Box)):
+        c = a - math.frexp(domain.radius)[1]  # the radius, times 2^(c - a), lands in [1/2, 1)
+    elif bias is not None:
+        c = _exponent(float(bias.abs().max()))
+    else:
+        c = a
+    weight = _scaled(weight, a, "head")
+    if bias is not None:
+        bias = _scaled(bias, c, "bias")
+    if row_error is not None:
+        row_error = row_error * _power(a)
+    if bias_error is not None:
+        bias_error = bias_error * _power(c)
+    if isinstance(domain, Ball):
+        domain = Ball(math.ldexp(domain.radius, c - a))
+    elif isinstance(domain, Box):
+        domain = Box(math.ldexp(domain.radius, c - a))
+    return NormalForm(weight, bias, domain, row_error, bias_error, a, c, translation)
+
+
+def _centre_and_spread(weight: torch.Tensor, competitor: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The mean competitor row and the median distance of the competitor rows from it."""
+    centre = torch.zeros(weight.shape[1], dtype=torch.float64, device=weight.device)
+    for s in range(0, weight.shape[0], _BLOCK_ROWS):
+        centre += weight[s:s + _BLOCK_ROWS][competitor[s:s + _BLOCK_ROWS]].to(torch.float64).sum(dim=0)
+    centre /= max(int(competitor.sum()), 1)
+    distances = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
+    for s in range(0, weight.shape[0], _BLOCK_ROWS):
+        distances[s:s + _BLOCK_ROWS] = torch.linalg.vector_norm(
+            weight[s:s + _BLOCK_ROWS].to(torch.float64) - centre, dim=1)
+    return centre, float(torch.median(distances[competitor]))
