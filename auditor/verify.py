@@ -202,10 +202,12 @@ def _tied(W: np.ndarray, b: np.ndarray, k: int, j: int, norm) -> bool:
 
 
 def _typical_spread(W: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
-    """The mean c of the distinct rows and the 10th-percentile non-zero ||w_i - c|| among them,
-    as the acceptance rule defines them (distances from the mean: a common offset changes nothing)."""
+    """The coordinate-wise lower median m of the distinct rows and the 10th-percentile non-zero
+    ||w_i - m|| among them, as the acceptance rule defines them (distances from m: a common offset
+    of the rows changes nothing, and no far row can drag m)."""
     distinct = np.unique(np.hstack([W, b[:, None]]), axis=0)[:, :-1]
-    centre = distinct.mean(axis=0)
+    middle = (distinct.shape[0] - 1) // 2
+    centre = np.partition(distinct, middle, axis=0)[middle]
     norms = _norm(distinct - centre, axis=1)
     positive = np.sort(norms[norms > 0])
     return centre, (float(positive[max(1, int(0.1 * positive.size)) - 1]) if positive.size else 0.0)

@@ -33,7 +33,7 @@ class EngineHead:
     row_mask: torch.Tensor | None  # n, 0 or -inf; None when there are no duplicates
     row_norm: torch.Tensor  # n, ||w_i||
     max_row_norm: float  # over competitors
-    spread_norm: torch.Tensor  # n, an upper bound on ||w_i - centre||: the row's distance from the cloud's mean
+    spread_norm: torch.Tensor  # n, an upper bound on ||w_i - m||, m the coordinate-wise median row
     typical_spread: float  # 10th percentile of the non-zero competitor spreads: a scale no outlier can inflate
     max_spread: float  # over competitors
     max_abs_bias: float  # over competitors, 0 without bias
@@ -80,12 +80,12 @@ class EngineHead:
     def residual_tolerance(self, k: int) -> float:
         """Largest residual ||sum_i alpha_i w_i - w_k|| a certificate for token k may rest on.
 
-        residual_tol times the larger of ||w_k - c|| and a typical ||w_i - c||,
-        c the mean row: the token can then lead by at most that fraction of the
-        logit differences the rows make. Measured from the mean, not the origin,
+        residual_tol times the larger of ||w_k - m|| and a typical ||w_i - m||,
+        m the coordinate-wise median row: the token can then lead by at most that
+        fraction of the logit differences the rows make. Measured from m, not the origin,
         so that a common offset of all rows (which changes no verdict) cannot
         loosen it; a few far rows cannot either. A hair below the rule
-        auditor.verify applies, so that its own rounding of c cannot disagree.
+        auditor.verify applies, so that its own rounding cannot disagree.
         """
         return _STRICTER * self.residual_tol * max(float(self.spread_norm[k]), self.typical_spread)
 
@@ -218,6 +218,13 @@ def robust_row_norms(weight: torch.Tensor, centre: torch.Tensor | None = None) -
     return norms
 
 
+def median_row(weight: torch.Tensor, competitor: torch.Tensor) -> torch.Tensor:
+    """The coordinate-wise lower median of the competitor rows (float64): a centre no far row can
+    drag, which moves exactly with the rows when they are all translated or scaled."""
+    rows = weight[competitor]
+    return torch.kthvalue(rows, (rows.shape[0] + 1) // 2, dim=0).values.to(torch.float64)
+
+
 def storage_dtype(weight: torch.Tensor) -> torch.dtype:
     """float32 when every entry of the head is a float32 value, else float64."""
     if weight.dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -251,7 +258,8 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
     for s in range(0, weight.shape[0], _BLOCK_ROWS):
         centre += weight[s:s + _BLOCK_ROWS][competitor[s:s + _BLOCK_ROWS]].to(torch.float64).sum(dim=0)
     centre /= int(competitor.sum())
-    spread_norm = robust_row_norms(weight, centre) * (1 + gamma(weight.shape[1] + 2)) + underflow_floor(weight.shape[1])
+    median = median_row(weight, competitor)
+    spread_norm = robust_row_norms(weight, median) * (1 + gamma(weight.shape[1] + 2)) + underflow_floor(weight.shape[1])
     witness_centre = centre.to(weight.dtype).to(torch.float64)  # a float32 head's screen uses it as it is
     centre_logits = torch.empty(weight.shape[0], dtype=torch.float64, device=device)
     for s in range(0, weight.shape[0], _BLOCK_ROWS):

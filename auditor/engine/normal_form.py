@@ -7,9 +7,10 @@ rounding bound) into one whose numbers sit near 1:
   b - b_m. Adding a constant to every bias leaves this unchanged, and a
   bias that is constant becomes no bias at all. Each entry's rounding,
   at most u |b_i - b_m|, is added to the bias error bound;
-- the weight is scaled by 2^a so that its largest entry lies in [1/2, 1),
-  the bias by 2^c and the radius of a bounded domain by 2^(c - a), so that
-  it lies in [1/2, 1) too. Logits then scale by 2^c, a point y of the
+- the weight is scaled by 2^a so that the median distance of the rows from
+  their coordinate-wise median lies in [1/2, 1), the bias by 2^c and the
+  radius of a bounded domain by 2^(c - a), so that it lies in [1/2, 1) too
+  (without a domain radius, c brings the median non-zero |b_i - b_m| there). Logits then scale by 2^c, a point y of the
   normal form is the point z = 2^(a - c) y of the question as given, and
   margins, residuals and bounds are scaled back by the same exact powers of
   two. Scaling the head, the bias or the radius by a power of two in any of
@@ -31,10 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from auditor.domain import Ball, Box, Domain
+from auditor.engine.head import median_row
 from auditor.errors import InputError
 
 _UNIT = 2.0**-53
-_OFFSET_RATIO = 64.0  # translate when the mean row is this many typical spreads from the origin
+_OFFSET_RATIO = 64.0  # translate when the median row is this many typical spreads from the origin
 _BLOCK_ROWS = 2048
 
 
@@ -106,11 +108,14 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
         row_error = rounding if row_error is None else row_error + rounding
         weight, translation = translated, centre
 
-    a = _exponent(float(weight.abs().max()) if weight.numel() else 0.0)
+    # Order statistics and norms move exactly with a power-of-two scaling, so the exponents do too.
+    a = _exponent(spread) if spread > 0 else _exponent(float(weight.abs().max()) if weight.numel() else 0.0)
     if isinstance(domain, (Ball, Box)):
         c = a - math.frexp(domain.radius)[1]  # the radius, times 2^(c - a), lands in [1/2, 1)
     elif bias is not None:
-        c = _exponent(float(bias.abs().max()))
+        sizes = bias[competitor].abs()
+        sizes = sizes[sizes > 0]
+        c = _exponent(float(torch.median(sizes))) if sizes.numel() else 0
     else:
         c = a
     weight = _scaled(weight, a, "head")
@@ -128,11 +133,8 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
 
 
 def _centre_and_spread(weight: torch.Tensor, competitor: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """The mean competitor row and the median distance of the competitor rows from it."""
-    centre = torch.zeros(weight.shape[1], dtype=torch.float64, device=weight.device)
-    for s in range(0, weight.shape[0], _BLOCK_ROWS):
-        centre += weight[s:s + _BLOCK_ROWS][competitor[s:s + _BLOCK_ROWS]].to(torch.float64).sum(dim=0)
-    centre /= max(int(competitor.sum()), 1)
+    """The coordinate-wise median competitor row and the median distance of the competitor rows from it."""
+    centre = median_row(weight, competitor)
     distances = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
     for s in range(0, weight.shape[0], _BLOCK_ROWS):
         distances[s:s + _BLOCK_ROWS] = torch.linalg.vector_norm(

@@ -210,10 +210,22 @@ def _screen_chunk(head: EngineHead, arithmetic: _Arithmetic, ids: np.ndarray, re
             if bias is None:
                 rival, runner_up = gram.max(dim=1)
                 own = own_base
-            else:
+            elif rung == 0:
                 torch.mul(gram, scale.to(gram.dtype)[:, None], out=scratch)
                 scratch += bias[None, :]
                 rival, runner_up = scratch.max(dim=1)
+                own = own_base * scale.to(gram.dtype) + own_bias
+            else:  # the smaller scales of the ladder, for the tokens no candidate has certified yet
+                pending = torch.nonzero(~chosen["certified"]).flatten()
+                if pending.numel() == 0:
+                    continue
+                block = scratch[:pending.numel()]
+                torch.index_select(gram, 0, pending, out=block)
+                block *= scale.to(gram.dtype)[pending, None]
+                block += bias[None, :]
+                rival = torch.full_like(own_base, torch.inf)
+                runner_up = torch.zeros(len(ids), dtype=torch.int64, device=device)
+                rival[pending], runner_up[pending] = block.max(dim=1)
                 own = own_base * scale.to(gram.dtype) + own_bias
             margin = (own - rival).to(torch.float64)
             # ||z|| <= s (||w_k|| + t ||c||): the size the rounding bound needs.
