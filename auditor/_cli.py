@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import auditor
+from auditor._threads import resolve_threads
 from auditor.errors import AuditorError, InputError
 from auditor.formats import FORMATS
 from auditor.baseline import Baseline
@@ -54,13 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                "top prediction, and prove every verdict.",
                      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", type=Path, help="a checkpoint file (.safetensors, .bin/.pt, .npy/.npz, .gguf) or a model folder")
-    parser.add_argument("--weight", metavar="NAME", help="the head's weight tensor (default: detected)")
+    parser.add_argument("--weight", metavar="NAME",
+                        help="the head's weight tensor (default: detected), or A@B for the head A @ B (a name ending "
+                             "in .T is transposed): decided exactly on A when B has full row rank")
     parser.add_argument("--bias", metavar="NAME", help="the head's bias tensor (default: detected; 'none' for no bias)")
     parser.add_argument("--domain", default="unbounded",
                         help="unbounded (default), ball:R, box:R, or norm (the outputs of the checkpoint's final norm)")
     parser.add_argument("--norm-unit-offset", action="store_true",
                         help="the final norm multiplies by 1 + weight (Gemma's convention; detected from config.json)")
     parser.add_argument("--device", default="auto", help="auto (default: CUDA when available), cpu or cuda")
+    add_threads_option(parser)
     parser.add_argument("--ceiling", type=float, metavar="P",
                         help="also compute each token's largest reachable probability (bounded domains) and report "
                              "argmaxable tokens that can never reach P as low-ceiling findings")
@@ -83,6 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     parser.add_argument("--version", action="version", version=f"auditor {auditor.__version__}")
     return parser
+
+
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=_thread_count, metavar="N",
+                        help="CPU threads for torch (default: OMP_NUM_THREADS when set, else torch's default)")
+
+
+def _thread_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"takes a positive integer, got {text!r}")
+    return count
 
 
 def parse_token_ids(text: str, n: int) -> list[int]:
@@ -180,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         if target is not None:
             check_writable(target)
     domain = auditor.parse_domain(args.domain)  # a typo should not cost a checkpoint load
+    resolve_threads(args.threads)  # nor a bad OMP_NUM_THREADS
     fail_on = parse_fail_on(args.fail_on)
     allow = AllowList.read(args.allow) if args.allow else None
     baseline = Baseline.read(args.baseline) if args.baseline else None
@@ -207,8 +227,9 @@ def run(args: argparse.Namespace) -> int:
             final_norm.unit_offset = True
     if args.ceiling is not None and not 0 < args.ceiling <= 1:
         raise InputError(f"--ceiling takes a probability in (0, 1], got {args.ceiling}")
-    report = auditor.audit(head.weight, head.bias, domain=domain, device=args.device, tokens=tokens,
-                           progress=progress, final_norm=final_norm, probability_ceiling=args.ceiling is not None)
+    report = auditor.audit(head.audited, head.bias, domain=domain, device=args.device, tokens=tokens,
+                           progress=progress, final_norm=final_norm, probability_ceiling=args.ceiling is not None,
+                           threads=args.threads)
     result = run_gate(head, report, fail_on, allow, load_seconds, args.ceiling, baseline)
     for warning in result.warnings:
         print(f"audit: warning: {warning}", file=sys.stderr)

@@ -10,9 +10,11 @@ import numpy as np
 import torch
 
 from auditor._input import check_options, prepare_inputs, prepare_token_ids, resolve_device
+from auditor._threads import applying_threads
 from auditor.domain import Ball, Domain, Norm, parse_domain
-from auditor.engine import INCONCLUSIVE, STAGES, TIED, UNARGMAXABLE, EngineOptions, decide
+from auditor.engine import INCONCLUSIVE, STAGES, UNARGMAXABLE, EngineOptions, decide
 from auditor.errors import InputError
+from auditor.factorised import is_factor_pair, split_factors
 from auditor.norm import FinalNorm, NormMap, exact_ties, output_error, reduce_head
 from auditor.report import AuditReport
 
@@ -27,10 +29,11 @@ def _row_reader(weight):
     return lambda k: array[k].astype(np.float64)
 
 
+@applying_threads
 def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str = "auto",
           tokens: Iterable[int] | None = None, progress: bool = True, final_norm: FinalNorm | None = None,
           probability_ceiling: bool = False, residual_tol: float = 1e-10, frank_wolfe_iterations: int = 100,
-          lp_rounds: int = 30, newton_iterations: int = 40) -> AuditReport:
+          lp_rounds: int = 30, newton_iterations: int = 40, threads: int | None = None) -> AuditReport:
     """Decide which tokens of a head can be the strict argmax of its logits ``W z + b``.
 
     ``weight`` is an n x d numpy array or torch tensor (float16, bfloat16, float32
@@ -47,13 +50,27 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     ``frank_wolfe_iterations``, ``newton_iterations`` and ``lp_rounds`` bound
     the work of those stages (0 skips one).
 
+    ``threads`` caps the CPU threads torch uses during the call (the previous
+    setting is restored afterwards); None takes OMP_NUM_THREADS when it is set,
+    else torch's current setting. The count used is ``report.threads``.
+
+    ``weight`` may also be a pair ``(U, V)`` standing for W = U @ V (U n x r,
+    V r x d, r <= d): when V has full row rank every verdict of W is that of the
+    head U in R^r, so U is audited and the product never formed; the report's
+    ``factorised`` says so, and its witnesses are points of R^r. Unbounded
+    domain only.
+
     Returns an AuditReport. Raises auditor.InputError for bad input (NaN or Inf
-    weights, wrong shapes or dtypes, an empty head, an unknown domain or device)
+    weights, wrong shapes or dtypes, an empty head, an unknown domain or device,
+    a bad thread count, a rank-deficient V or a bounded domain for a pair)
     before deciding anything.
     """
     started = time.perf_counter()
     check_options(residual_tol, frank_wolfe_iterations, lp_rounds, newton_iterations)
     parsed_domain = parse_domain(domain)
+    factorisation = None
+    if is_factor_pair(weight):  # W = U @ V is decided exactly as U (see auditor/factorised.py)
+        weight, factorisation = split_factors(weight, parsed_domain)
     if probability_ceiling and not parsed_domain.bounded:
         raise InputError("probability ceilings need a bounded domain (ball:R, box:R or norm): in the unbounded "
                          "domain every argmaxable token's probability comes arbitrarily close to 1")
@@ -85,7 +102,8 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     timings = dict(decisions.timings)
     report = AuditReport(decisions, _row_reader(weight), n_tokens=w.shape[0], hidden_size=w.shape[1],
                          dtype=dtype, has_bias=b64 is not None, domain=parsed_domain, device=str(chosen),
-                         timings=timings, norm_map=norm_map)
+                         timings=timings, norm_map=norm_map, threads=torch.get_num_threads(),
+                         factorised=factorisation)
     if norm_map is not None:
         clock = time.perf_counter()
         _hull_fallback(report, w64, b64, options, norm_map.reach)

@@ -15,7 +15,8 @@ class Head:
 
     ``weight`` (n x d) and ``bias`` are numpy arrays or torch tensors exactly as
     stored (dequantised for GGUF); ``tokens`` are the token strings by id where a
-    tokenizer was found (None beyond the tokenizer's size).
+    tokenizer was found (None beyond the tokenizer's size). A head named as a
+    product W = U @ V keeps its factors: ``weight`` is U and ``factor`` V.
     """
 
     weight: Any
@@ -29,6 +30,7 @@ class Head:
     path: Path | None = None
     source_format: str = "array"
     notes: list[str] = field(default_factory=list)
+    factor: Any = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -37,6 +39,11 @@ class Head:
     @property
     def dtype(self) -> str:
         return str(self.weight.dtype).replace("torch.", "")
+
+    @property
+    def audited(self):
+        """What auditor.audit takes: the weight, or the pair (U, V) of a factorised head."""
+        return self.weight if self.factor is None else (self.weight, self.factor)
 
     def token(self, k: int) -> str | None:
         if self.tokens is None or k >= len(self.tokens):

@@ -87,7 +87,8 @@ class AuditReport:
     """The result of ``auditor.audit``: ``tokens[k]``, ``ids(verdict)``, ``counts``, ``to_dict()``."""
 
     def __init__(self, decisions: Decisions, weight_rows, *, n_tokens: int, hidden_size: int, dtype: str,
-                 has_bias: bool, domain, device: str, timings: dict[str, float], norm_map=None):
+                 has_bias: bool, domain, device: str, timings: dict[str, float], norm_map=None,
+                 threads: int | None = None, factorised=None):
         self._d = decisions
         self._norm_map = norm_map  # norm domain: the engine saw the reduced head; see auditor/norm.py
         # k -> float64 row, read from the caller's array without a copy of it
@@ -98,6 +99,9 @@ class AuditReport:
         self.has_bias = has_bias
         self.domain = domain
         self.device = device
+        self.threads = threads  # the CPU threads torch used
+        # W = U V given as (U, V): the auditor.factorised.Factorisation on which U stood for W, else None
+        self.factorised = factorised
         self.timings = timings
         self.tolerances = dict(decisions.tolerances)
         self.tokens = _TokenList(self)
@@ -240,9 +244,11 @@ class AuditReport:
             "argmaxable_listed": include_argmaxable,  # False: argmaxable tokens (and their witnesses) left out
             "final_norm": None if norm is None else {"kind": norm.kind, "eps": norm.eps, "unit_offset": norm.unit_offset},
             "head": {"n_tokens": self.n_tokens, "hidden_size": self.hidden_size, "dtype": self.dtype,
-                     "bias": self.has_bias},
+                     "bias": self.has_bias,
+                     "factorised": None if self.factorised is None else self.factorised.to_dict()},
             "domain": str(self.domain),
             "device": self.device,
+            "threads": self.threads,
             "counts": self.counts,
             "tolerances": self.tolerances,
             "timings": {name: round(seconds, 6) for name, seconds in self.timings.items()},
@@ -252,4 +258,5 @@ class AuditReport:
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{name} {count}" for name, count in self.counts.items() if count)
-        return f"<AuditReport {self.n_tokens} x {self.hidden_size} {self.dtype}, {self.domain}: {counts}>"
+        inner = f" (U of W = U V, hidden size {self.factorised.hidden_size})" if self.factorised else ""
+        return f"<AuditReport {self.n_tokens} x {self.hidden_size} {self.dtype}{inner}, {self.domain}: {counts}>"

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "against the checkpoint, in plain float64 arithmetic.")
     parser.add_argument("certificates", type=Path, metavar="CERTS", help="the certificates file (JSON)")
     parser.add_argument("path", type=Path, metavar="PATH", help="the checkpoint file or model folder that was audited")
-    parser.add_argument("--weight", metavar="NAME", help="the head's weight tensor (default: detected, as audit does)")
+    parser.add_argument("--weight", metavar="NAME",
+                        help="the head's weight tensor (default: detected, as audit does); A@B for a factorised head")
     parser.add_argument("--bias", metavar="NAME", help="the head's bias tensor (default: detected; 'none' for no bias)")
     parser.add_argument("--domain", metavar="D",
                         help="the domain the certificates are for (default: the file's); another one is an error")
@@ -73,6 +74,27 @@ def _check_fits(certs: Certificates, head, path: Path) -> None:
                              f"{_tensor_hint(certs, 'bias', None)}")
         raise InputError(f"{path}: the head has the bias {head.bias_name!r}, but {certs.source} is for a head "
                          "without one (pass --bias none if it was audited so)")
+
+
+def _check_factors(certs: Certificates, head, path: Path) -> None:
+    """A factorised head (--weight A@B) is checked as its factor A, which the file must say it was audited as,
+    and only while B still has full row rank (a fresh float64 SVD)."""
+    stated = certs.head.get("factorised")
+    if head.factor is None:
+        if stated:
+            raise InputError(f"{path}: {certs.source} is for a factorised head W = A @ B, decided on A; name both "
+                             f"factors with --weight A@B{_tensor_hint(certs, 'weight', head.weight_name)}")
+        return
+    if not stated:
+        raise InputError(f"{path}: --weight {head.weight_name} names a factorised head, but {certs.source} is for "
+                         "a plain one")
+    from auditor.factorised import split_factors
+
+    _, factorisation = split_factors((head.weight, head.factor), certs.domain)
+    if factorisation.hidden_size != stated.get("hidden_size"):
+        raise InputError(f"{path}: the factor B of {head.weight_name} is {factorisation.inner_dimension} x "
+                         f"{factorisation.hidden_size}, but {certs.source} is for a hidden size of "
+                         f"{stated.get('hidden_size')}")
 
 
 def _tensor_hint(certs: Certificates, which: str, loaded: str | None) -> str:
@@ -109,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--domain {args.domain}: {certs.source} holds certificates for the {certs.domain} domain")
     progress = not args.quiet and sys.stderr.isatty()
     head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress)
+    _check_factors(certs, head, args.path)
     _check_fits(certs, head, args.path)
     result = auditor.verify(certs, head.weight, head.bias, final_norm=_final_norm(certs, head, args))
 

@@ -24,6 +24,15 @@ def head_lines(doc: dict) -> list[tuple[str, str]]:
         ("domain", doc["domain"] + (f", probability ceiling {ceiling:g}" if ceiling else "")),
         ("time", f"{load + total:.2f} s (load {load:.2f} s, audit {total:.2f} s)"),
     ]
+    factorised = head.get("factorised")
+    if factorised:
+        r, hidden = factorised["inner_dimension"], factorised["hidden_size"]
+        lines.insert(3, ("factors", f"W = U V with V {r} x {hidden} of full row rank: decided exactly on U in R^{r} "
+                                    f"(witnesses are points of R^{r})"))
+    threads = (doc.get("run") or {}).get("threads")
+    if threads:
+        lines.append(("threads", f"{threads} CPU thread{'s' if threads != 1 else ''}"
+                                 + (" (the first shard's)" if doc.get("merged_from") else "")))
     shard = doc.get("shard")
     if shard:
         lines.append(("shard", f"{shard['index']}/{shard['count']}: ids {shard['first']}..{shard['stop'] - 1}"))

@@ -39,7 +39,10 @@ def document(result: GateResult) -> dict:
                            "unit_offset": norm.unit_offset} if norm else None,
             "token_strings": head.token_source or ("given" if head.tokens is not None else None),
             "vocabulary_sha256": vocabulary_fingerprint(head),  # lets --baseline tell one vocabulary from another
+            # W = U @ V audited as U: shape and dtype above are U's
+            "factorised": report.factorised.to_dict() if report.factorised else None,
         },
+        "run": {"threads": report.threads, "device": report.device},
         "domain": str(report.domain),
         "shard": result.shard,
         "summary": {"n_tokens": report.n_tokens, **report.counts, "failing": len(result.failing)},

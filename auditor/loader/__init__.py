@@ -109,7 +109,9 @@ def _flat_bias(bias):
 def load_head(path, weight: str | None = None, bias: str | None = None, progress: bool = False) -> Head:
     """Load a head from a checkpoint file or model folder.
 
-    ``weight`` / ``bias`` name the tensors explicitly; otherwise known names are
+    ``weight`` / ``bias`` name the tensors explicitly (``weight="A@B"``: the head
+    W = A @ B, kept as its factors ``head.weight`` = A and ``head.factor`` = B;
+    ``.T`` after a name transposes it); otherwise known names are
     tried (see loader/naming.py). Returns a Head. Raises InputError for a
     missing path, an unreadable or unknown file, a refused pickle, or an absent
     or ambiguous head.
@@ -119,14 +121,19 @@ def load_head(path, weight: str | None = None, bias: str | None = None, progress
     folder = path if path.is_dir() else path.parent
     config = _read_config(folder)
     names = choose_head(store.tensors(), weight, bias, config.get("tie_word_embeddings"), str(path))
-    wanted = [n for n in (names.weight, names.bias, names.norm_weight, names.norm_bias) if n]
+    matrices = [name for name, _ in names.factors] if names.factors else [names.weight]
+    wanted = list(dict.fromkeys(n for n in (*matrices, names.bias, names.norm_weight, names.norm_bias) if n))
     loaded = {}
     with tqdm(wanted, desc="loading", file=sys.stderr, disable=not progress, leave=False, unit="tensor") as bar:
         for name in bar:
             bar.set_postfix_str(name)
             loaded[name] = store.get(name)
 
-    head = Head(weight=loaded[names.weight], bias=_flat_bias(loaded[names.bias]) if names.bias else None,
+    if names.factors:  # W = U @ V: both factors, as named (".T" transposes: a view, no copy)
+        u, v = (loaded[name].T if transposed else loaded[name] for name, transposed in names.factors)
+    else:
+        u, v = loaded[names.weight], None
+    head = Head(weight=u, factor=v, bias=_flat_bias(loaded[names.bias]) if names.bias else None,
                 weight_name=names.weight, bias_name=names.bias, tied=names.tied, path=path,
                 source_format=store.format)
     if names.norm_weight:

@@ -9,7 +9,7 @@ wrong matrix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from auditor.errors import InputError
 from auditor.loader.stores import TensorInfo
@@ -39,6 +39,8 @@ class HeadNames:
     tied: bool
     norm_weight: str | None = None
     norm_bias: str | None = None
+    # weight "A@B": ((A, transposed), (B, transposed)), the head being the product of the two
+    factors: tuple[tuple[str, bool], tuple[str, bool]] | None = None
 
 
 def _matches(name: str, exact: tuple[str, ...], suffix: tuple[str, ...]) -> bool:
@@ -53,7 +55,11 @@ def choose_head(tensors: dict[str, TensorInfo], weight: str | None, bias: str | 
                 where: str) -> HeadNames:
     """Pick the head's tensors; raises InputError naming the candidates when unsure."""
     matrices = [info for info in tensors.values() if len(info.shape) == 2]
-    if weight is not None:
+    factors = None
+    if weight is not None and weight not in tensors and "@" in weight:
+        factors, (chosen, right) = _factor_names(tensors, weight, matrices, where)
+        tied, width = False, right.shape[1]
+    elif weight is not None:
         if weight not in tensors:
             raise InputError(f"{where}: no tensor named {weight!r}; 2-D tensors: {_describe(matrices) or 'none'}")
         if len(tensors[weight].shape) != 2:
@@ -88,8 +94,33 @@ def choose_head(tensors: dict[str, TensorInfo], weight: str | None, bias: str | 
                              f"(2-D tensors: {_describe(matrices) or 'none'})")
     rows = chosen.shape[0]
     bias_name = _choose_bias(tensors, bias, rows, where)
-    norm_weight, norm_bias = _choose_norm(tensors, chosen.shape[1])
-    return HeadNames(chosen.name, bias_name, tied, norm_weight, norm_bias)
+    norm_weight, norm_bias = _choose_norm(tensors, width if factors else chosen.shape[1])
+    return HeadNames(weight if factors else chosen.name, bias_name, tied, norm_weight, norm_bias, factors)
+
+
+def _factor_names(tensors: dict[str, TensorInfo], weight: str, matrices: list[TensorInfo], where: str):
+    """``"A@B"`` (either name may end in ``.T``: transposed, as nn.Linear stores (out, in)) ->
+    (((A, transposed), (B, transposed)), (A's info, B's info) as used)."""
+    names = weight.split("@")
+    if len(names) != 2 or not all(names):
+        raise InputError(f"{where}: --weight {weight!r}: name one tensor, or two as A@B for the head W = A @ B")
+    factors, infos = [], []
+    for name in names:
+        transposed = name not in tensors and name.endswith(".T")
+        stored = name[:-2] if transposed else name
+        if stored not in tensors:
+            raise InputError(f"{where}: no tensor named {name!r} (in --weight {weight}); 2-D tensors: "
+                             f"{_describe(matrices) or 'none'}")
+        info = tensors[stored]
+        if len(info.shape) != 2:
+            raise InputError(f"{where}: tensor {stored!r} has shape {list(info.shape)}, not a matrix")
+        factors.append((stored, transposed))
+        infos.append(replace(info, shape=tuple(reversed(info.shape))) if transposed else info)
+    left, right = infos
+    if left.shape[1] != right.shape[0]:
+        raise InputError(f"{where}: --weight {weight}: the factors do not multiply ({left.shape[0]} x "
+                         f"{left.shape[1]} @ {right.shape[0]} x {right.shape[1]}); add or drop a .T")
+    return tuple(factors), (left, right)
 
 
 def _choose_bias(tensors: dict[str, TensorInfo], bias: str | None, rows: int, where: str) -> str | None:
