@@ -16,7 +16,6 @@ float64, so no stage can turn a guess into a verdict.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass, field

@@ -259,7 +259,8 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
         centre += weight[s:s + _BLOCK_ROWS][competitor[s:s + _BLOCK_ROWS]].to(torch.float64).sum(dim=0)
     centre /= int(competitor.sum())
     median = median_row(weight, competitor)
-    spread_norm = robust_row_norms(weight, median) * (1 + gamma(weight.shape[1] + 2)) + underflow_floor(weight.shape[1])
+    distance = robust_row_norms(weight, median)
+    spread_norm = distance * (1 + gamma(weight.shape[1] + 2)) + underflow_floor(weight.shape[1])
     witness_centre = centre.to(weight.dtype).to(torch.float64)  # a float32 head's screen uses it as it is
     centre_logits = torch.empty(weight.shape[0], dtype=torch.float64, device=device)
     for s in range(0, weight.shape[0], _BLOCK_ROWS):
@@ -273,7 +274,7 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
         row_norm=row_norm,
         max_row_norm=float(row_norm[competitor].max()),
         spread_norm=spread_norm,
-        typical_spread=_low_quantile(spread_norm[competitor]),
+        typical_spread=_low_quantile(distance[competitor]),  # of the rows that are not at the median itself
         max_spread=float(spread_norm[competitor].max()),
         max_abs_bias=0.0 if bias is None else float(bias[competitor].abs().max()),
         centre=centre,

@@ -99,17 +99,20 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
             bias = relative
 
     translation = None
-    centre, spread = _centre_and_spread(weight, competitor)
-    if spread > 0 and float(torch.linalg.vector_norm(centre)) > _OFFSET_RATIO * spread:
+    # Distances are measured on the head scaled by 2^p, p from its largest entry, so that no
+    # square overflows or underflows; p, like everything below, moves exactly with the head's scale.
+    p = _exponent(float(weight.abs().max()) if weight.numel() else 0.0)
+    centre, spread = _centre_and_spread(weight, competitor, p)
+    if spread > 0 and float(torch.linalg.vector_norm(centre * _power(p))) > _OFFSET_RATIO * spread:
         translated = torch.empty(weight.shape, dtype=torch.float64, device=weight.device)
         for s in range(0, weight.shape[0], _BLOCK_ROWS):
             translated[s:s + _BLOCK_ROWS] = weight[s:s + _BLOCK_ROWS].to(torch.float64) - centre
-        rounding = torch.linalg.vector_norm(translated, dim=1) * (_UNIT / (1 - _UNIT))
+        rounding = torch.linalg.vector_norm(translated * _power(p), dim=1) * (_UNIT / (1 - _UNIT)) * _power(-p)
         row_error = rounding if row_error is None else row_error + rounding
         weight, translation = translated, centre
 
     # Order statistics and norms move exactly with a power-of-two scaling, so the exponents do too.
-    a = _exponent(spread) if spread > 0 else _exponent(float(weight.abs().max()) if weight.numel() else 0.0)
+    a = p + _exponent(spread) if spread > 0 else p
     if isinstance(domain, (Ball, Box)):
         c = a - math.frexp(domain.radius)[1]  # the radius, times 2^(c - a), lands in [1/2, 1)
     elif bias is not None:
@@ -132,11 +135,13 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
     return NormalForm(weight, bias, domain, row_error, bias_error, a, c, translation)
 
 
-def _centre_and_spread(weight: torch.Tensor, competitor: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """The coordinate-wise median competitor row and the median distance of the competitor rows from it."""
+def _centre_and_spread(weight: torch.Tensor, competitor: torch.Tensor, p: int) -> tuple[torch.Tensor, float]:
+    """The coordinate-wise median competitor row, and the median distance of the competitor rows
+    from it on the head scaled by 2^p."""
     centre = median_row(weight, competitor)
+    factor = _power(p)
     distances = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
     for s in range(0, weight.shape[0], _BLOCK_ROWS):
         distances[s:s + _BLOCK_ROWS] = torch.linalg.vector_norm(
-            weight[s:s + _BLOCK_ROWS].to(torch.float64) - centre, dim=1)
+            (weight[s:s + _BLOCK_ROWS].to(torch.float64) - centre) * factor, dim=1)
     return centre, float(torch.median(distances[competitor]))

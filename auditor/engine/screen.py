@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from auditor.domain import Ball, Box
+from auditor.domain import Ball
 from auditor.engine.certify import check_witnesses_sharpened, derived_error, inside_domain
 from auditor.engine.head import EngineHead
 from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, logit_error_factor,
