@@ -36,6 +36,7 @@ from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_
 
 _BLOCK_BUDGET = 1 << 24  # entries per chunk x n block (64 MiB in float32); two blocks live at once with a bias
 _SHIFTS = (0.0, 1.0)
+_LARGE_HEAD = 1 << 20  # entries from which a float64 head is screened through a float32 copy
 _BOUNDED_LADDER = (1.0, 1 / 4, 1 / 16, 1 / 64)  # fractions of the largest scale, with a bias
 _UNBOUNDED_LADDER = (1.0, 64.0, 4096.0)  # logit scale relative to the bias spread
 
@@ -113,8 +114,18 @@ class _Arithmetic:
     def __init__(self, head: EngineHead):
         finite = head.bias is None or head.max_abs_bias <= 2.0**60
         in_range = 2.0**-40 <= head.typical_spread and head.max_row_norm <= 2.0**40 and finite
-        self.dtype = torch.float32 if head.weight.dtype == torch.float32 and in_range else torch.float64
+        large = head.n * head.d >= _LARGE_HEAD
+        self.dtype = torch.float32 if (head.weight.dtype == torch.float32 or large) and in_range else torch.float64
         self.weight = head.weight.to(self.dtype)  # the head itself unless a float32 head is out of range
+        # A large float64 head (the norm domain's reduced head, a float64 checkpoint) is screened through
+        # a float32 copy: |w_i.w_k - v_i.v_k| <= e_i ||w_k|| + ||w_i|| e_k + e_i e_k, e_i = ||w_i - v_i||.
+        self.copy_error = None
+        if self.dtype == torch.float32 and head.weight.dtype == torch.float64:
+            self.copy_error = torch.empty(head.n, dtype=torch.float64, device=head.device)
+            for s in range(0, head.n, 2048):
+                self.copy_error[s:s + 2048] = torch.linalg.vector_norm(
+                    head.weight[s:s + 2048] - self.weight[s:s + 2048].to(torch.float64), dim=1) * (1 + 2.0**-40)
+            self.max_copy_error = float(self.copy_error.max())
         if self.dtype == torch.float32:
             self.unit = UNIT_ROUNDOFF_32
             # float32 products, plus the float64 rounding of the reported witness
@@ -236,6 +247,10 @@ def _screen_chunk(head: EngineHead, arithmetic: _Arithmetic, ids: np.ndarray, re
             if own_bias is not None:
                 tolerance = tolerance + arithmetic.error_factor * head.bias[k].abs()
             tolerance = tolerance + derived_error(head, k, size * torch.ones_like(norm_k))
+            if arithmetic.copy_error is not None:  # the products were of the float32 copy's rows
+                e_k = arithmetic.copy_error[k]
+                tolerance = tolerance + 2 * (scale if head.bias is not None else 1.0) * (
+                    arithmetic.max_copy_error * (norm_k + e_k) + head.max_row_norm * e_k)
             certified = (proves_positive(margin, tolerance, unit) & torch.isfinite(own).to(torch.bool)
                          & inside_domain(head.domain, directions * scale[:, None]))
             if head.bias is None:
