@@ -59,7 +59,8 @@ def test_report_serialises_to_strict_json_with_recheckable_witnesses(rng):
     report = auditor.audit(W, progress=False)
     data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
     assert data["counts"] == report.counts
-    assert data["head"] == {"n_tokens": W.shape[0], "hidden_size": 6, "dtype": "float64", "bias": False}
+    assert data["head"] == {"n_tokens": W.shape[0], "hidden_size": 6, "dtype": "float64", "bias": False,
+                            "factorised": None}
     centre = np.array(data["centre"])
     for entry in data["tokens"]:
         k = entry["id"]
