@@ -116,7 +116,9 @@ def layernorm_tie(seed: int, device: str) -> dict:
     report = auditor.audit(W, b, domain="norm", final_norm=norm, device=device, progress=False)
     return {"inconclusive": report.counts["inconclusive"],
             "verdicts 0, 4": [report.tokens[0].verdict, report.tokens[4].verdict],
-            "both tied": report.tokens[0].verdict == report.tokens[4].verdict == "tied"}
+            "group verdicts": [report.tokens[0].group_verdict, report.tokens[4].group_verdict],
+            "both tied, same group verdict": report.tokens[0].verdict == report.tokens[4].verdict == "tied"
+            and report.tokens[0].group_verdict == report.tokens[4].group_verdict not in (None, "inconclusive")}
 
 
 def rmsnorm_copy(seed: int, device: str) -> dict:
@@ -129,7 +131,7 @@ def rmsnorm_copy(seed: int, device: str) -> dict:
             "verdicts 5, 200": [first.verdict, second.verdict],
             "group verdicts": [first.group_verdict, second.group_verdict],
             "same group verdict": first.verdict == second.verdict == "tied"
-            and first.group_verdict == second.group_verdict is not None}
+            and first.group_verdict == second.group_verdict not in (None, "inconclusive")}
 
 
 FAMILIES = {
