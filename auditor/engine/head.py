@@ -260,7 +260,9 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
     centre /= int(competitor.sum())
     median = median_row(weight, competitor)
     distance = robust_row_norms(weight, median)
-    spread_norm = distance * (1 + gamma(weight.shape[1] + 2)) + underflow_floor(weight.shape[1])
+    # rows exactly at the median keep 0: their differences with each other are exact zeros
+    spread_norm = torch.where(distance > 0, distance * (1 + gamma(weight.shape[1] + 2)) + underflow_floor(weight.shape[1]),
+                              distance)
     witness_centre = centre.to(weight.dtype).to(torch.float64)  # a float32 head's screen uses it as it is
     centre_logits = torch.empty(weight.shape[0], dtype=torch.float64, device=device)
     for s in range(0, weight.shape[0], _BLOCK_ROWS):
