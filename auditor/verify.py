@@ -268,8 +268,14 @@ def _convex_failure(domain, W, b, token, group: set, tol: float, spread) -> str 
     gap = 0.0
     bias_differences = b[k] - b[idx]
     if np.any(bias_differences):  # as the engine: products of zeros cannot underflow
-        gap = (float(beta @ bias_differences) + 2 * _gamma(s + 3) * float(beta @ np.abs(bias_differences))
-               + 4 * _ETA)
+        computed = float(beta @ bias_differences)
+        gap = computed + 2 * _gamma(s + 3) * float(beta @ np.abs(bias_differences)) + 4 * _ETA
+        if computed <= 0 < gap and s <= 64:  # zero up to rounding: its sign in rational arithmetic
+            from fractions import Fraction
+
+            a = [Fraction(float(v)) for v in alpha]
+            exact = sum(x * (Fraction(float(b[k])) - Fraction(float(v))) for x, v in zip(a, b[idx])) / sum(a)
+            gap = -1.0 if exact < 0 else (0.0 if exact == 0 else gap)
     hull = residual <= tol * max(r_k, typical) and gap <= 0
     if hull:
         return None

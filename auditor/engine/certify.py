@@ -125,6 +125,22 @@ def _abs_products(head: EngineHead, abs_witnesses: torch.Tensor) -> torch.Tensor
     return out
 
 
+_EXACT_GAP_ROWS = 64
+
+
+def exact_gap(weights, b_k, b) -> float:
+    """sum_i alpha_i (b_k - b_i) / sum_i alpha_i in rational arithmetic, rounded up to a float: the
+    sign of a bias gap that is zero up to rounding (b_k exactly a convex combination of the b_i)."""
+    from fractions import Fraction
+
+    alpha = [Fraction(float(a)) for a in np.asarray(weights).ravel()]
+    top = Fraction(float(b_k))
+    value = sum(a * (top - Fraction(float(v))) for a, v in zip(alpha, np.asarray(b.cpu() if hasattr(b, "cpu") else b).ravel()))
+    value /= sum(alpha)
+    rounded = float(value)
+    return rounded if Fraction(rounded) >= value else float(np.nextafter(rounded, np.inf))
+
+
 @dataclass
 class ConvexCheck:
     residual: float  # unbounded: bound on ||sum alpha_i w_i - w_k||; bounded: bound on the dual value
@@ -175,10 +191,12 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
     if head.bias is not None:
         b_k = head.bias[k]
         differences = b_k - head.bias[index]  # b_k - b_i, each rounded relative to itself
-        gap = float(alpha @ differences) / total
-        gap += 2 * gamma(s + 3) * float(alpha @ differences.abs()) / total
+        computed = float(alpha @ differences) / total
+        gap = computed + 2 * gamma(s + 3) * float(alpha @ differences.abs()) / total
         if bool(differences.any()):
             gap += head.underflow_floor
+        if computed <= 0 < gap and s <= _EXACT_GAP_ROWS and head.bias_error is None:
+            gap = exact_gap(weights, head.bias[k], head.bias[index])  # zero up to rounding: settle its sign exactly
         if head.bias_error is not None:
             gap += float(alpha @ head.bias_error[index]) / total + float(head.bias_error[k])
     small_residual = math.isfinite(delta) and delta <= head.residual_tolerance(k)

@@ -5,8 +5,8 @@ rounding bound) into one whose numbers sit near 1:
 
 - the bias is taken relative to its lower median b_m (an entry of b):
   b - b_m. Adding a constant to every bias leaves this unchanged, and a
-  bias that is constant becomes no bias at all. Each entry's rounding,
-  at most u |b_i - b_m|, is added to the bias error bound;
+  bias that is constant becomes no bias at all. Each entry's rounding
+  (found exactly by TwoSum; at most u |b_i - b_m|) is added to the bias error bound;
 - the weight is scaled by 2^a so that the median distance of the rows from
   their coordinate-wise median lies in [1/2, 1), the bias by 2^c and the
   radius of a bounded domain by 2^(c - a), so that it lies in [1/2, 1) too
@@ -94,8 +94,11 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
         if not bool(relative.any()) and bias_error is None:
             bias = None  # a constant bias moves every logit alike
         else:
-            rounding = relative.abs() * (_UNIT / (1 - _UNIT))  # |fl(b_i - b_m) - (b_i - b_m)|
-            bias_error = rounding if bias_error is None else bias_error + rounding
+            # |fl(b_i - b_m) - (b_i - b_m)| exactly, by Knuth's TwoSum: zero wherever the subtraction was exact
+            back = relative + reference
+            rounding = ((bias - back) + (-reference - (relative - back))).abs()
+            if bool(rounding.any()):
+                bias_error = rounding if bias_error is None else bias_error + rounding
             bias = relative
 
     translation = None
