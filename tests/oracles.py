@@ -33,7 +33,10 @@ def lp_margin(W: np.ndarray, b: np.ndarray | None, k: int, domain: str = "unboun
     """
     n, d = W.shape
     c = np.zeros(n) if b is None else b[k] - b
-    rivals = np.array([i for i in range(n) if i != k and not (np.array_equal(W[i], W[k]) and c[i] == 0)])
+    rivals = np.array([i for i in range(n) if i != k and not (np.array_equal(W[i], W[k]) and c[i] == 0)],
+                      dtype=np.int64)
+    if rivals.size == 0:  # only copies of k: nothing to beat, the group wins everywhere
+        return np.inf, np.zeros(d), 1.0
     A = W[k][None, :] - W[rivals]
     # variables: z (d), s, t ; maximise t  <=>  minimise -t
     cost = np.zeros(d + 2)
