@@ -3,7 +3,9 @@
 1. ties      exact duplicate rows become groups; one representative is decided
 2. screen    one Gram pass checks z = s (w_k - t c) for every token
 3. interior  a closed-form convex combination for rows deep inside the hull
-4. frank-wolfe  batched pairwise Frank-Wolfe on the min-norm problem (no bias)
+4. frank-wolfe  batched pairwise Frank-Wolfe on the min-norm problem (no bias), or on
+             the ball's dual r ||w_k - sum alpha_i w_i|| + sum alpha_i (b_k - b_i) (balls,
+             the norm domain included, with or without a bias)
 5. newton    maximum-entropy convex combinations by Newton's method (no bias)
 6. lp        constraint generation with cvxpy for whatever is left
 7. whatever no stage proved is ``inconclusive``, with the bounds found
@@ -24,9 +26,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from auditor.domain import Domain
+from auditor.domain import Ball, Domain
 from auditor.engine.caratheodory import Pool, from_pool, reduce_support
-from auditor.engine.certify import check_convex, check_witnesses
+from auditor.engine.ball_dual import ball_dual
+from auditor.engine.certify import check_convex, check_witnesses, check_witnesses_sharpened
 from auditor.engine.frank_wolfe import frank_wolfe
 from auditor.engine.head import EngineHead, build_engine_head, storage_dtype
 from auditor.engine.interior import interior_certificates
@@ -141,6 +144,12 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
         with _bar(len(left), "frank-wolfe", progress) as bar:
             outcomes = frank_wolfe(head, left, threat, options.frank_wolfe_iterations, bar)
         _settle_frank_wolfe(head, out, left, outcomes, seeds, lower, upper)
+        keep = out.verdict[left] == UNDECIDED
+        left, threat = left[keep], threat[keep]
+    elif isinstance(head.domain, Ball) and len(left) and options.frank_wolfe_iterations > 0:
+        with _bar(len(left), "frank-wolfe (ball dual)", progress) as bar:
+            outcomes = ball_dual(head, left, threat, options.frank_wolfe_iterations, bar)
+        _settle_ball_dual(head, out, left, outcomes, seeds, lower, upper)
         keep = out.verdict[left] == UNDECIDED
         left, threat = left[keep], threat[keep]
     timings["frank_wolfe"] = time.perf_counter() - clock
@@ -308,6 +317,30 @@ def _settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outco
             upper[k] = check.residual
             if check.accepted:
                 _set_convex(out, k, indices, weights, check.residual, check.bias_gap, "frank-wolfe")
+                continue
+            seeds[k].append(outcome.support)
+
+
+def _settle_ball_dual(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:
+    """Accept the ball dual's witnesses after a float64 check, and its weights where phi reached the tolerance."""
+    won = [j for j, o in enumerate(outcomes) if o.certified]
+    if won:
+        witnesses = torch.as_tensor(np.stack([outcomes[j].witness for j in won]), device=head.device)
+        check = check_witnesses_sharpened(head, ids[won], witnesses)
+        for row, j in enumerate(won):
+            if check.certified[row]:
+                _set_witness(out, int(ids[j]), outcomes[j].witness, float(check.margin[row]),
+                             int(check.runner_up[row]), "frank-wolfe")
+    for j, outcome in enumerate(outcomes):
+        k = int(ids[j])
+        if out.verdict[k] != UNDECIDED:
+            continue
+        lower[k], upper[k] = outcome.lower, outcome.upper
+        if outcome.support.size:
+            check = check_convex(head, k, outcome.support, outcome.support_weights)
+            if check.accepted:
+                _set_convex(out, k, outcome.support, outcome.support_weights, check.residual, check.bias_gap,
+                            "frank-wolfe")
                 continue
             seeds[k].append(outcome.support)
 
