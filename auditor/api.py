@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Iterable
@@ -88,9 +89,19 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
         reduced = reduce_head(w64, b64, final_norm)
         norm_map = NormMap(final_norm, reduced)
         ties = exact_ties(w64, b64, reduced, final_norm)
-        decisions = decide(reduced.weight, reduced.bias, ids, Ball(reduced.radius), options, progress,
-                           reduced.row_error + output_error(w.shape[1]) * torch.linalg.vector_norm(reduced.weight, dim=1),
+        row_error = reduced.row_error + output_error(w.shape[1]) * torch.linalg.vector_norm(reduced.weight, dim=1)
+        # Tokens whose dual value is zero up to rounding (rows inside the hull: the reduced bias W beta is
+        # linear in the rows, so their bias gap is too) are settled in R^d first, the LP only if that fails.
+        decisions = decide(reduced.weight, reduced.bias, ids, Ball(reduced.radius),
+                           dataclasses.replace(options, defer_flat=True), progress, row_error,
                            reduced.bias_error, representative=ties)
+        clock = time.perf_counter()
+        _hull_fallback(decisions, w64, b64, options, norm_map.reach)
+        left = np.nonzero(decisions.verdict == INCONCLUSIVE)[0]
+        if left.size:
+            _take(decisions, decide(reduced.weight, reduced.bias, left, Ball(reduced.radius), options, progress,
+                                    row_error, reduced.bias_error, representative=ties), left)
+        decisions.timings["hull_fallback"] = time.perf_counter() - clock
         if probability_ceiling:
             _ceilings(decisions, reduced.weight, reduced.bias, ids, Ball(reduced.radius), progress,
                       float(reduced.row_error.max()), float(reduced.bias_error.max()))
@@ -104,10 +115,6 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
                          dtype=dtype, has_bias=b64 is not None, domain=parsed_domain, device=str(chosen),
                          timings=timings, norm_map=norm_map, threads=torch.get_num_threads(),
                          factorised=factorisation)
-    if norm_map is not None:
-        clock = time.perf_counter()
-        _hull_fallback(report, w64, b64, options, norm_map.reach)
-        timings["hull_fallback"] = time.perf_counter() - clock
     timings["total"] = time.perf_counter() - started
     return report
 
@@ -129,7 +136,21 @@ def _ceilings(decisions, weight: torch.Tensor, bias: torch.Tensor | None, ids: n
     decisions.timings["ceilings"] = time.perf_counter() - clock
 
 
-def _hull_fallback(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor | None,
+def _take(decisions, again, ids: np.ndarray) -> None:
+    """Copy the answers for ``ids`` from a second decision over the same head into the first."""
+    for name in ("verdict", "margin", "runner_up", "stage", "witness_shift", "witness_scale"):
+        getattr(decisions, name)[ids] = getattr(again, name)[ids]
+    for name in ("explicit_witness", "convex", "bounds"):
+        table, other = getattr(decisions, name), getattr(again, name)
+        for k in ids.tolist():
+            table.pop(k, None)
+            if k in other:
+                table[k] = other[k]
+    for k, v in again.timings.items():
+        decisions.timings[k] = decisions.timings.get(k, 0.0) + v
+
+
+def _hull_fallback(d, weight: torch.Tensor, bias: torch.Tensor | None,
                    options: EngineOptions, reach: float) -> None:
     """Norm domain: settle what is left with the unbounded question on the head as given.
 
@@ -140,10 +161,9 @@ def _hull_fallback(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor
     (invisible to LayerNorm) gives that bias gap an arbitrary sign. Such a
     certificate bounds the margin by residual * ||z||, and the norm's outputs
     reach ||z|| <= ``reach``: it is accepted only when that product is within the
-    tolerance a unit z gets. Tied tokens are left alone: in R^d their tie-mates
+    tolerance a unit z gets at the rows' typical spread. Tied tokens are left alone: in R^d their tie-mates
     are distinct rows, and one member must not be certified by another.
     """
-    d = report._d
     left = np.nonzero(d.verdict == INCONCLUSIVE)[0]
     if left.size == 0:
         return
@@ -155,8 +175,7 @@ def _hull_fallback(report: AuditReport, weight: torch.Tensor, bias: torch.Tensor
         if plain.verdict[k] != UNARGMAXABLE or k not in plain.convex:
             continue
         indices, weights, residual, gap = plain.convex[k]
-        row_norm = float(torch.linalg.vector_norm(weight[k]))
-        if residual * max(reach, 1.0) > d.tolerances["residual_tol"] * max(row_norm, typical):
+        if residual * max(reach, 1.0) > d.tolerances["residual_tol"] * typical:
             continue
         d.convex[k] = plain.convex[k]
         d.bounds.pop(k, None)

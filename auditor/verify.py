@@ -12,8 +12,7 @@ Nothing here reuses the engine: plain float64 numpy on the caller's weights.
   and either (any domain) the residual ||w_k - sum alpha_i w_i|| is at most
   residual_tol * max(||w_k - m||, t) with a bias gap
   b_k - sum alpha_i b_i <= 0, or (bounded domain) the dual value
-  s_D(w_k - sum alpha_i w_i) + b_k - sum alpha_i b_i is at most the same tolerance
-  times the domain's reach (r for the ball, r sqrt(d) for the box). Each quantity is
+  s_D(w_k - sum alpha_i w_i) + b_k - sum alpha_i b_i is <= 0. Each quantity is
   recomputed with its rounding error added on the unfavourable side. m is the
   coordinate-wise median of the distinct rows and t the 10th percentile of their
   non-zero distances from it: the rows' spread, which no common offset changes.
@@ -285,8 +284,7 @@ def _convex_failure(domain, W, b, token, group: set, tol: float, spread) -> str 
             support = domain.radius * residual
         else:
             support = domain.radius * (float(np.abs(offset).sum()) * (1 + _gamma(d)) + math.sqrt(d) * slack)
-        reach = domain.radius if isinstance(domain, Ball) else domain.radius * math.sqrt(d)
-        if support + gap <= tol * max(r_k, typical) * reach:  # the engine's rule: a lead of at most tol
+        if support + gap <= 0:
             return None
         return "the dual value is positive, and the residual or bias gap too large for the hull test"
     # relative to the row's norm: the head was rescaled above, the file's numbers were not

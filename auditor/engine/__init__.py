@@ -18,6 +18,7 @@ float64, so no stage can turn a guess into a verdict.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ class EngineOptions:
     newton_iterations: int = 40
     lp_rounds: int = 30
     residual_tol: float = 1e-10
+    defer_flat: bool = False  # bounded domains: leave tokens whose dual value is zero up to the tolerance
+    #                           inconclusive rather than solve an LP (the norm domain settles them in R^d)
 
 
 @dataclass
@@ -164,6 +167,13 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     timings["newton"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
+    if options.defer_flat and head.domain.bounded:
+        reach = head.domain.radius if isinstance(head.domain, Ball) else head.domain.radius * math.sqrt(head.d)
+        flat = np.array([upper.get(int(k), np.inf) <= head.residual_tolerance(int(k)) * reach for k in left], dtype=bool)
+        for k in left[flat].tolist():
+            out.verdict[k] = INCONCLUSIVE
+            out.bounds[k] = (lower.get(k, -np.inf), upper[k])
+        left = left[~flat]
     with _bar(len(left), "exact LP", progress) as bar:
         for k in left.tolist():
             result = lp_decide(head, k, np.concatenate(seeds[k]), max_rounds=options.lp_rounds)

@@ -6,8 +6,7 @@ min_{i != k} (l_k(z) - l_i(z)) stays positive after the worst rounding
 accepted when the residual ``||sum alpha_i w_i - w_k||`` and the bias gap
 ``b_k - sum alpha_i b_i`` (unbounded domain), or the dual value
 ``s_D(w_k - sum alpha_i w_i) + b_k - sum alpha_i b_i`` (bounded domain), are at
-most the head's tolerance (for the dual value: that tolerance times the domain's reach,
-r for the ball, r sqrt(d) for the box). Both quantities are reported as rigorous upper
+most the head's tolerance. Both quantities are reported as rigorous upper
 bounds: rounding in forming the combination is added, not hoped away.
 """
 
@@ -210,9 +209,4 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
     else:
         support = domain.radius * (float(np.abs(offset).sum()) * (1 + gamma(head.d)) + math.sqrt(head.d) * error)
     value = support + gap
-    # The bounded domain's counterpart of the hull rule: the token may lead by at most residual_tol of
-    # the logit differences its rows make over the domain (a bias gap that is zero up to rounding, as
-    # when the bias is a linear function of the rows, then passes as it does without a bias).
-    reach = domain.radius if isinstance(domain, Ball) else domain.radius * math.sqrt(head.d)
-    within = value <= head.residual_tolerance(k) * reach
-    return ConvexCheck(value, gap, bool(math.isfinite(value) and (within or hull_certificate)))
+    return ConvexCheck(value, gap, bool(math.isfinite(value) and (value <= 0 or hull_certificate)))
