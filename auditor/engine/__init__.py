@@ -215,33 +215,36 @@ def _unscale(out: Decisions, form: NormalForm, head: EngineHead) -> None:
     (translated) rows, and its point y is the point z = 2^(a - c) y (normal_form.py).
     """
     a, c = form.weight_exponent, form.logit_exponent
-    logit_unit, row_unit, point_factor = _power(-c), _power(-a), form.point_factor
-    out.margin *= logit_unit
+
+    def times(x, e):  # x 2^e in two exact steps: 2^e alone may not be a float64 (2^1024)
+        return x * math.ldexp(1.0, e // 2) * math.ldexp(1.0, e - e // 2)
+
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        out.margin = times(out.margin, -c)
     for k in list(out.explicit_witness):
-        out.explicit_witness[k] = out.explicit_witness[k] * point_factor
+        out.explicit_witness[k] = times(out.explicit_witness[k], a - c)
     # The formula witness s (w_k - t c) refers to the rows as given: z = 2^(a-c) s 2^a (w_k - t c)
     # takes the scale 2^(2a-c) s. Where that leaves the normal float range, or the rows were
     # translated (the formula's rows are then not the given ones), store the very point checked.
     with np.errstate(over="ignore", under="ignore"):
-        scaled = out.witness_scale * _power(2 * a - c)
+        scaled = times(out.witness_scale, 2 * a - c)
     normal = ~np.isfinite(out.witness_scale) | (np.isfinite(scaled) & (np.abs(scaled) >= np.finfo(np.float64).tiny))
     if form.translation is not None:
         normal = ~np.isfinite(out.witness_scale)
     for k in np.nonzero(~normal)[0].tolist():
         row = head.rows64([k])[0]
         direction = row - out.witness_shift[k] * head.witness_centre if out.witness_shift[k] else row
-        out.explicit_witness[k] = (direction * float(out.witness_scale[k])).cpu().numpy() * point_factor
+        out.explicit_witness[k] = times((direction * float(out.witness_scale[k])).cpu().numpy(), a - c)
         scaled[k] = np.nan
     out.witness_scale = scaled
-    out.centre = out.centre * row_unit
+    out.centre = times(out.centre, -a)
     if form.translation is not None:
         out.centre = out.centre + form.translation.cpu().numpy()
-    residual_unit = logit_unit if head.domain.bounded else row_unit
+    residual_unit = -c if head.domain.bounded else -a
     for k, (indices, weights, residual, gap) in out.convex.items():
-        out.convex[k] = (indices, weights, residual * residual_unit, gap * logit_unit)
+        out.convex[k] = (indices, weights, times(residual, residual_unit), times(gap, -c))
     for k, (lower, upper) in out.bounds.items():
-        out.bounds[k] = (lower * logit_unit, upper * (logit_unit if head.domain.bounded or head.bias is None
-                                                       else row_unit))
+        out.bounds[k] = (times(lower, -c), times(upper, -c if head.domain.bounded or head.bias is None else -a))
 
 
 def _set_witness(out: Decisions, k: int, witness: np.ndarray, margin: float, runner_up: int, stage: str) -> None:
