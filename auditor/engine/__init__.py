@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from auditor.domain import Ball, Domain
 from auditor.engine.caratheodory import Pool, from_pool, reduce_support
-from auditor.engine.ball_dual import ball_dual
+from auditor.engine.bounded_dual import bounded_dual
 from auditor.engine.certify import check_convex, check_witnesses, check_witnesses_sharpened
 from auditor.engine.frank_wolfe import frank_wolfe
 from auditor.engine.head import EngineHead, build_engine_head, storage_dtype
@@ -42,7 +42,7 @@ from auditor.engine.tilt import tilted_certificates
 
 UNDECIDED, ARGMAXABLE, UNARGMAXABLE, TIED, INCONCLUSIVE = range(5)
 VERDICT_NAMES = ("undecided", "argmaxable", "unargmaxable", "tied", "inconclusive")
-_BALL_DUAL_FACTOR = 4
+_DUAL_FACTOR = 4
 STAGES = ("", "single row", "screen", "interior", "frank-wolfe", "lp", "unbounded hull", "newton")
 
 
@@ -150,14 +150,24 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
         _settle_frank_wolfe(head, out, left, outcomes, seeds, lower, upper)
         keep = out.verdict[left] == UNDECIDED
         left, threat = left[keep], threat[keep]
-    elif isinstance(head.domain, Ball) and len(left) and options.frank_wolfe_iterations > 0:
-        with _bar(len(left), "frank-wolfe (ball dual)", progress) as bar:
-            # Most ball-dual iterations score only a working set of rivals (ball_dual.py), a fraction of
+    elif head.domain.bounded and len(left) and options.frank_wolfe_iterations > 0:
+        with _bar(len(left), "frank-wolfe (dual)", progress) as bar:
+            # Most dual iterations score only a working set of rivals (bounded_dual.py), a fraction of
             # an unbounded iteration's cost: it gets four times as many.
-            outcomes = ball_dual(head, left, threat, _BALL_DUAL_FACTOR * options.frank_wolfe_iterations, bar)
-        _settle_ball_dual(head, out, left, outcomes, seeds, lower, upper)
+            outcomes = bounded_dual(head, left, threat, _DUAL_FACTOR * options.frank_wolfe_iterations, bar)
+        _settle_dual(head, out, left, outcomes, seeds, lower, upper)
         keep = out.verdict[left] == UNDECIDED
         left, threat = left[keep], threat[keep]
+    elif len(left) and options.frank_wolfe_iterations > 0:  # unbounded, with a bias: ever larger balls
+        for radius in _homogenising_radii(head):
+            if not len(left):
+                break
+            with _bar(len(left), f"frank-wolfe (ball {radius:.3g})", progress) as bar:
+                outcomes = bounded_dual(head, left, threat, _DUAL_FACTOR * options.frank_wolfe_iterations, bar,
+                                        domain=Ball(radius))
+            _settle_dual(head, out, left, outcomes, seeds, {}, {})
+            keep = out.verdict[left] == UNDECIDED
+            left, threat = left[keep], threat[keep]
     timings["frank_wolfe"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
@@ -337,8 +347,17 @@ def _settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outco
             seeds[k].append(outcome.support)
 
 
-def _settle_ball_dual(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:
-    """Accept the ball dual's witnesses after a float64 check, and its weights where phi reached the tolerance."""
+def _homogenising_radii(head: EngineHead) -> list[float]:
+    """Balls for the unbounded domain with a bias: from the radius at which the rows' typical
+    spread makes logit differences of the bias's size, up by 64 twice (witnesses found in a ball
+    hold in R^d; the last ball's weights are nearly the exact x = 0 certificate)."""
+    base = max(head.max_abs_bias, 1e-3 * head.typical_spread) / max(head.typical_spread, 1e-300)
+    return [4 * base, 256 * base, 16384 * base]
+
+
+def _settle_dual(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:
+    """Accept the dual's witnesses after a float64 check, and its weights after lp.polish (which
+    tries them as they are first); record the bounds in a bounded domain."""
     won = [j for j, o in enumerate(outcomes) if o.certified]
     if won:
         witnesses = torch.as_tensor(np.stack([outcomes[j].witness for j in won]), device=head.device)
@@ -351,12 +370,18 @@ def _settle_ball_dual(head: EngineHead, out: Decisions, ids: np.ndarray, outcome
         k = int(ids[j])
         if out.verdict[k] != UNDECIDED:
             continue
-        lower[k], upper[k] = outcome.lower, outcome.upper
+        if head.domain.bounded:
+            lower[k], upper[k] = outcome.lower, outcome.upper
         if outcome.support.size:
-            check = check_convex(head, k, outcome.support, outcome.support_weights)
+            # A bounded domain's dual value is accepted as it is; the unbounded certificate needs a
+            # residual at the tolerance, which only an exact solve on the support gives.
+            indices, weights = outcome.support, outcome.support_weights
+            if head.domain.bounded:
+                check = check_convex(head, k, indices, weights)
+            else:
+                indices, weights, check = polish(head, k, indices, weights)
             if check.accepted:
-                _set_convex(out, k, outcome.support, outcome.support_weights, check.residual, check.bias_gap,
-                            "frank-wolfe")
+                _set_convex(out, k, indices, weights, check.residual, check.bias_gap, "frank-wolfe")
                 continue
             seeds[k].append(outcome.support)
 

@@ -1,19 +1,25 @@
-"""Stage 4 for balls (with or without a bias): batched pairwise Frank-Wolfe on the ball's dual.
+"""Stage 4 for bounded domains and biased heads: batched pairwise Frank-Wolfe on the domain's dual.
 
 In the ball of radius r the margin of token k is (spec, "Margin and duality")
 
     m_k = min over alpha in the simplex of  phi(alpha) = r ||x(alpha)|| + sum_i alpha_i (b_k - b_i),
     x(alpha) = w_k - sum_i alpha_i w_i,
 
-a convex problem over the simplex. The gradient of phi in alpha_i is
--(w_i . z + b_i) + const at z = r x / ||x||, so the linear minimisation
-oracle is the rival with the largest logit at that point of the sphere: every
-iterate is a candidate witness, checked for free, as in frank_wolfe.py. The
-pairwise step moves weight from the active rival with the smallest logit at z
-to the one with the largest, with an exact line search: along
-x - g u (u = w_fw - w_away) the function r ||x - g u|| + c g has a closed-form
-minimiser. phi(alpha) bounds the margin from above (weak duality) and
-phi - (Frank-Wolfe gap) from below.
+and in the box of half-width r the same with the l1 norm r ||x||_1 (the box's
+support function). Both are convex problems over the simplex. The gradient of
+phi in alpha_i is -(w_i . z + b_i) + const at z = r x / ||x|| (ball) or
+z = r sign(x) (box), so the linear minimisation oracle is the rival with the
+largest logit at that point of the domain: every iterate is a candidate
+witness, checked for free, as in frank_wolfe.py. The pairwise step moves weight
+from the active rival with the smallest logit at z to the one with the largest,
+with an exact line search along x - g u (u = w_fw - w_away): closed-form for the
+ball, bisection on the derivative for the box. phi(alpha) bounds the margin
+from above (weak duality).
+
+The unbounded domain with a bias is the limit of large balls: a witness in a
+ball is one in R^d, and as r grows the weights are driven to x = 0 with the
+bias gap as small as it goes, which is the unbounded certificate (polished on
+its support by lp.polish). The engine runs it on a short ladder of radii.
 
 Two changes to the plain method make it fast and make it converge:
 
@@ -22,12 +28,13 @@ Two changes to the plain method make it fast and make it converge:
   only it can answer (a point that beats every working rival, a gap that closed
   on the working set) and every few iterations. On the real 30522-row head
   this cut the full passes per token from about 12 to 3.
-- Smoothing: r ||x|| is not differentiable at x = 0, which is where the
-  weights of a row inside the hull lead, and there Frank-Wolfe stalls with phi
-  just above its (negative) minimum. The iteration runs on
-  r sqrt(||x||^2 + mu^2) instead, whose gradient point z = r x / sqrt(||x||^2 + mu^2)
-  lies inside the ball, so it stays a candidate witness; it is within r mu of
-  phi, and mu shrinks by 16 each time the gap closes, down to 0.
+- Smoothing: the norm is not differentiable at x = 0 (the box's at every
+  x_j = 0), which is where the weights of a row inside the hull lead, and there
+  Frank-Wolfe stalls with phi just above its (negative) minimum. The iteration
+  runs on r sqrt(||x||^2 + mu^2) (box: r sum_j sqrt(x_j^2 + mu^2)) instead,
+  whose gradient point z = r x / sqrt(||x||^2 + mu^2) (box: coordinate-wise)
+  lies inside the domain, so it stays a candidate witness; mu shrinks by 16
+  each time the gap closes, down to 0.
 
 Tokens leave as soon as an iterate's witness wins beyond rounding (at a full
 pass), or phi drops to the certificate's tolerance (the weights then go to
@@ -40,10 +47,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 import numpy as np
 import torch
 
-from auditor.domain import Ball
+from auditor.domain import Ball, Box, Domain
 from auditor.engine.head import EngineHead
 from auditor.engine.rounding import proves_positive, safe_norm
 
@@ -51,7 +60,7 @@ _SCORE_BUDGET = 1 << 22  # float64 entries of a full evaluation's block of logit
 
 
 @dataclass
-class BallDualOutcome:
+class DualOutcome:
     certified: bool = False
     witness: np.ndarray | None = None
     lower: float = -np.inf  # best computed margin of any iterate's witness
@@ -60,14 +69,17 @@ class BallDualOutcome:
     support_weights: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
-def ball_dual(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations: int,
-              progress=None) -> list[BallDualOutcome]:
-    """Run pairwise Frank-Wolfe on the ball's dual for tokens ``ids`` from the rivals ``start``."""
-    assert isinstance(head.domain, Ball)
-    outcomes = [BallDualOutcome() for _ in ids]
+def bounded_dual(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations: int, progress=None,
+                 domain: Domain | None = None) -> list[DualOutcome]:
+    """Run pairwise Frank-Wolfe on the dual of ``domain`` (default: the head's, a Ball or a Box) for
+    tokens ``ids`` from the rivals ``start``."""
+    domain = head.domain if domain is None else domain
+    norm = _BallNorm(domain.radius) if isinstance(domain, Ball) else _BoxNorm(domain.radius, head.d)
+    assert isinstance(domain, (Ball, Box))
+    outcomes = [DualOutcome() for _ in ids]
     batch = max(1, min(256, _SCORE_BUDGET // max(head.n, 1)))
     for s in range(0, len(ids), batch):
-        _run_batch(head, ids[s:s + batch], start[s:s + batch], iterations, outcomes[s:s + batch])
+        _run_batch(head, norm, ids[s:s + batch], start[s:s + batch], iterations, outcomes[s:s + batch])
         if progress is not None:
             progress.update(min(batch, len(ids) - s))
     return outcomes
@@ -90,6 +102,65 @@ def _line_search(r: float, x: torch.Tensor, u: torch.Tensor, c: torch.Tensor, li
     monotone = torch.where(c < 0, limit, torch.zeros_like(limit))
     step = torch.where((curvature > 0) & (a > 0), root, monotone)
     return torch.minimum(torch.clamp(step, min=0.0), limit)
+
+
+class _BallNorm:
+    """r ||x||, smoothed to r sqrt(||x||^2 + mu^2)."""
+
+    def __init__(self, radius: float):
+        self.radius = radius
+        self.reach = radius  # largest ||z|| of the domain
+
+    def value(self, x: torch.Tensor) -> torch.Tensor:
+        return self.radius * safe_norm(x, dim=1)
+
+    def point(self, x: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+        size = safe_norm(x, dim=1)
+        smooth = torch.sqrt(size * size + mu * mu)
+        scale = self.radius * (1 - 1e-12) / torch.clamp(smooth, min=1e-300)
+        return torch.where(smooth[:, None] > 0, x * scale[:, None], torch.zeros_like(x))
+
+    def start_mu(self, x: torch.Tensor) -> torch.Tensor:
+        return _MU_START * safe_norm(x, dim=1)
+
+    def line_search(self, x, u, c, limit, mu):
+        return _line_search(self.radius, x, u, c, limit, mu)
+
+
+class _BoxNorm:
+    """r ||x||_1, smoothed coordinate-wise to r sum_j sqrt(x_j^2 + mu^2)."""
+
+    def __init__(self, radius: float, d: int):
+        self.radius = radius
+        self.reach = radius * math.sqrt(d)
+
+    def value(self, x: torch.Tensor) -> torch.Tensor:
+        return self.radius * x.abs().sum(dim=1)
+
+    def point(self, x: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+        smooth = torch.sqrt(x * x + (mu * mu)[:, None])
+        return torch.where(smooth > 0, x * (self.radius * (1 - 1e-12)) / torch.clamp(smooth, min=1e-300),
+                           torch.zeros_like(x))
+
+    def start_mu(self, x: torch.Tensor) -> torch.Tensor:
+        return _MU_START * x.abs().amax(dim=1)
+
+    def line_search(self, x, u, c, limit, mu):
+        """argmin over [0, limit] of the smoothed r ||x - g u||_1 + c g: bisection on its derivative,
+        which is increasing (the function is convex); 60 halvings leave an interval of 2^-60 limit."""
+        low, high = torch.zeros_like(limit), limit.clone()
+        m2 = (mu * mu)[:, None]
+        for _ in range(60):
+            g = (low + high) / 2
+            y = x - g[:, None] * u
+            smooth = torch.sqrt(y * y + m2)
+            slope = -self.radius * (u * torch.where(smooth > 0, y / torch.clamp(smooth, min=1e-300),
+                                                    torch.zeros_like(y))).sum(dim=1) + c
+            rising = slope > 0
+            high = torch.where(rising, g, high)
+            low = torch.where(rising, low, g)
+        # The ends: a step of the whole limit when the slope is negative throughout.
+        return torch.where(high == limit, limit, low)
 
 
 class _WorkingSet:
@@ -135,10 +206,10 @@ _FULL_EVERY = 8  # iterations between full evaluations of a token that asked for
 _LEADERS = 16  # rivals per token added to the working set at each full evaluation
 
 
-def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations: int,
-               outcomes: list[BallDualOutcome]) -> None:
+def _run_batch(head: EngineHead, norm, ids: np.ndarray, start: np.ndarray, iterations: int,
+               outcomes: list[DualOutcome]) -> None:
     device = head.device
-    r = head.domain.radius
+    reach = norm.reach
     count = len(ids)
     k_all = torch.as_tensor(ids, device=device)
     start_t = torch.as_tensor(start, device=device)
@@ -155,9 +226,9 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
     waited = torch.zeros(count, dtype=torch.int64, device=device)  # iterations since the last one
     best_lower = torch.full((count,), -torch.inf, dtype=torch.float64, device=device)
     best_upper = torch.full((count,), torch.inf, dtype=torch.float64, device=device)
-    goal = torch.tensor([head.residual_tolerance(int(t)) * r for t in ids], dtype=torch.float64, device=device)
+    goal = torch.tensor([head.residual_tolerance(int(t)) * reach for t in ids], dtype=torch.float64, device=device)
     leaders = min(_LEADERS, head.n)
-    mu = _MU_START * safe_norm(x, dim=1)
+    mu = norm.start_mu(x)
     mu_floor = _MU_FLOOR * mu
 
     for _ in range(iterations):
@@ -166,11 +237,8 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
             break
         k = k_all[live]
         xs = x[live]
-        size = safe_norm(xs, dim=1)
         m = mu[live]
-        smooth = torch.sqrt(size * size + m * m)  # the norm of (x, mu): the gradient point stays inside the ball
-        z = torch.where(smooth[:, None] > 0, xs * (r * (1 - 1e-12) / torch.clamp(smooth, min=1e-300))[:, None],
-                        torch.zeros_like(xs))
+        z = norm.point(xs, m)  # inside the domain: the smoothed gradient point
         scores = working.scores(z, k)
         weights = alpha[live]
         own_score = (z * head.rows64(k)).sum(dim=1) + bias[k]
@@ -194,7 +262,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
             own = everything[torch.arange(f.numel(), device=device), kf].clone()
             everything[torch.arange(f.numel(), device=device), kf] = -torch.inf
             margin = own - everything.max(dim=1).values
-            tolerance = (head.fast_error_factor * ((head.row_norm[kf] + head.max_row_norm) * r
+            tolerance = (head.fast_error_factor * ((head.row_norm[kf] + head.max_row_norm) * reach
                                                    + bias[kf].abs() + head.max_abs_bias) + head.underflow_floor)
             certified[f] = proves_positive(margin, tolerance)
             best_lower[live[f]] = torch.maximum(best_lower[live[f]], margin)
@@ -212,13 +280,13 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
             slot = int(live[j])
             outcomes[slot].certified = True
             outcomes[slot].witness = z[j].cpu().numpy().copy()
-        best_upper[live] = torch.minimum(best_upper[live], r * size + linear[live])
+        best_upper[live] = torch.minimum(best_upper[live], norm.value(xs) + linear[live])
 
         fw_vertex, away_vertex = working.members[fw_column], working.members[away_column]
         u = head.rows64(fw_vertex) - head.rows64(away_vertex)
         c = bias[away_vertex] - bias[fw_vertex]
         available = weights.gather(1, away_column[:, None]).squeeze(1)
-        step = _line_search(r, xs, u, c, torch.where(gap > 0, available, torch.zeros_like(available)), m)
+        step = norm.line_search(xs, u, c, torch.where(gap > 0, available, torch.zeros_like(available)), m)
         x[live] = xs - step[:, None] * u
         linear[live] = linear[live] + step * c
         weights.scatter_add_(1, fw_column[:, None], step[:, None])
@@ -227,7 +295,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
         weights[drop, away_column[drop]] = 0.0
         alpha[live] = weights
 
-        settled = r * safe_norm(x[live], dim=1) + linear[live] <= goal[live]
+        settled = norm.value(x[live]) + linear[live] <= goal[live]
         closed = gap <= 0  # a closed gap here has seen every row
         smoothed = closed & (m > 0)  # converged for this mu only: sharpen and go on
         mu[live] = torch.where(smoothed, torch.where(m > mu_floor[live], m / _SHARPEN, torch.zeros_like(m)), m)
