@@ -9,9 +9,12 @@ and plain containers, so a malicious file is rejected rather than executed.
 from __future__ import annotations
 
 import json
+import os
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -137,12 +140,7 @@ def _torch_state_dict(path: Path) -> dict:
     import pickle
 
     try:
-        try:
-            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as error:
-            if "mmap" not in str(error) and "zip" not in str(error):
-                raise
-            obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy, not memory-mappable
+        obj = _torch_load(path)
     except pickle.UnpicklingError as error:
         # torch's own text advises retrying with weights_only=False, which would run whatever the
         # pickle says: never pass it on.
@@ -166,12 +164,33 @@ def _torch_state_dict(path: Path) -> dict:
     return tensors
 
 
+def _torch_load(path: Path):
+    """torch.load(weights_only=True) of a file already known to be a torch file, memory-mapped if a zip."""
+    with open(path, "rb") as stream, warnings.catch_warnings():
+        # torch warns about pickle protocols and the like on stderr: the load's result, or its one-line
+        # error, is all people need.
+        warnings.simplefilter("ignore")
+        # torch.load hands any path ending in .safetensors to the safetensors library, whatever the
+        # file holds; such a misnamed torch file is named to torch by its open descriptor instead.
+        source: str | BinaryIO = str(path)
+        if source.endswith(".safetensors"):
+            source = f"/dev/fd/{stream.fileno()}" if os.path.isdir("/dev/fd") else stream
+        if not isinstance(source, str):  # an open stream, which torch cannot memory-map
+            return torch.load(source, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as error:
+            if "mmap" not in str(error) and "zip" not in str(error):
+                raise
+            return torch.load(source, map_location="cpu", weights_only=True)  # legacy, not memory-mappable
+
+
 def _refused_global(error: BaseException) -> str:
     """The class or function the weights-only unpickler refused, when its message names one."""
     import re
 
     found = re.search(r"GLOBAL (\S+) was not an allowed global", str(error))
-    return f" ({found.group(1)})" if found else ""
+    return f" ({found.group(1)})" if found else " (or was not written by torch.save)"
 
 
 def _torch_reason(error: BaseException) -> str:
