@@ -53,7 +53,7 @@ def foreign_format(path: Path) -> Foreign | None:
     (a checkpoint, text, an unreadable file). For telling people what a folder holds instead."""
     try:
         head, size = _first_bytes(path)
-        if size == 0 or _readable_magic(path, head, size):
+        if size == 0 or _readable_magic(path, head, size) or _as_text(head) is not None:
             return None
         kind = _zip_kind(path) if head[:4] in _ZIP_MAGICS else recognise(head, size)
     except InputError:
@@ -77,12 +77,12 @@ def _kind(path: Path, head: bytes, size: int) -> str | Foreign:
         return readable
     if head[:4] in _ZIP_MAGICS:
         return _zip_kind(path)
+    text = _as_text(head)  # before the foreign formats: text never starts with their binary magics
+    if text is not None:
+        return _text_kind(path, text, size)
     foreign = recognise(head, size)
     if foreign is not None:
         return foreign
-    text = _as_text(head)
-    if text is not None:
-        return _text_kind(path, text, size)
     hint = _NAMED_LIKE.get(path.suffix.lower())
     named = f"; its name says {hint}, but it does not begin like one (damaged, or a partial download?)" if hint else ""
     raise InputError(f"{path}: not a recognised checkpoint format ({_EXPECTED}){named}")
