@@ -253,3 +253,9 @@ def test_a_zip_of_something_else_is_refused(tmp_path, capsys):
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr("readme.txt", "hello")
     assert "neither a PyTorch checkpoint nor an .npz" in audit_error(capsys, path)
+
+
+def test_a_damaged_pickle_is_one_line_naming_the_failure(tmp_path, capsys):
+    path = tmp_path / "head.pt"
+    path.write_bytes(b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19" + b"junk" * 8)  # torch's legacy magic
+    assert "not a readable PyTorch checkpoint" in audit_error(capsys, path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 import zipfile
 from dataclasses import dataclass
@@ -187,8 +188,6 @@ def _torch_load(path: Path):
 
 def _refused_global(error: BaseException) -> str:
     """The class or function the weights-only unpickler refused, when its message names one."""
-    import re
-
     found = re.search(r"GLOBAL (\S+) was not an allowed global", str(error))
     return f" ({found.group(1)})" if found else " (or was not written by torch.save)"
 
@@ -198,7 +197,9 @@ def _torch_reason(error: BaseException) -> str:
     reason = _first_line(error)
     if "weights_only" in reason or "trusted source" in reason:
         return "torch.load refused it with weights_only=True"
-    return reason if isinstance(error, (RuntimeError, OSError, EOFError, ValueError)) else f"{type(error).__name__}: {reason}"
+    if isinstance(error, (RuntimeError, OSError, EOFError, ValueError)):
+        return reason
+    return f"{type(error).__name__}: {reason}"  # a KeyError's text alone ("101") says nothing
 
 
 class NumpyStore:
