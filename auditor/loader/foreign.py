@@ -56,7 +56,7 @@ def keras_archive() -> Foreign:
 
 
 def _hdf5(head: bytes, size: int) -> Foreign | None:
-    # The superblock sits at 0, or after a user block of 512, 1024, ... bytes.
+    # The superblock sits at 0, or after a user block of 512, 1024, ... bytes; the first two are looked at.
     if head.startswith(_HDF5_MAGIC) or head[512:520] == _HDF5_MAGIC:
         return Foreign("an HDF5 file (TensorFlow/Keras .h5 weights)",
                        "convert it with transformers (from_pretrained(folder, from_tf=True), then save_pretrained), "
