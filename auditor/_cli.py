@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="audit", description="Find the tokens of a language model's head that can never be its "
                                                "top prediction, and prove every verdict.",
                      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", type=Path, help="a checkpoint file (.safetensors, .bin/.pt, .npy/.npz, .gguf) or a model folder")
+    parser.add_argument("path", type=Path, help="a checkpoint file (safetensors, a torch .bin/.pt, .npy/.npz or GGUF, "
+                                                "recognised by its contents) or a model folder")
     parser.add_argument("--weight", metavar="NAME",
                         help="the head's weight tensor (default: detected), or A@B for the head A @ B (a name ending "
                              "in .T is transposed): decided exactly on A when B has full row rank")

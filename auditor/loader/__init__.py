@@ -1,10 +1,10 @@
 """The loader: a checkpoint file or model folder in, a Head out, reading only the head's tensors.
 
-Sources: .safetensors (single or sharded by model.safetensors.index.json),
-PyTorch .bin/.pt/.pth state dicts (single or sharded, weights_only), .npy/.npz,
-and .gguf (the auditor[gguf] extra). A folder may also hold config.json
-(whether the head is tied, the norm's epsilon) and tokenizer.json or vocab.txt
-(token strings).
+Sources: safetensors (single or sharded by model.safetensors.index.json),
+PyTorch state dicts (.bin/.pt/.pth, single or sharded, weights_only), .npy/.npz,
+and GGUF (the auditor[gguf] extra), each recognised by its contents (formats.py),
+whatever its name. A folder may also hold config.json (whether the head is tied,
+the norm's epsilon) and tokenizer.json or vocab.txt (token strings).
 """
 
 from __future__ import annotations
@@ -17,34 +17,40 @@ from tqdm import tqdm
 
 from auditor.errors import InputError
 from auditor.head import FinalNorm, Head
+from auditor.loader.formats import DESCRIPTIONS, foreign_format, identify
 from auditor.loader.naming import choose_head
-from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore
+from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore, read_index
 from auditor.loader.tokens import read_token_strings
 
-_FOLDER_FILES = (
-    ("model.safetensors.index.json", SafetensorsStore.from_index),
-    ("model.safetensors", SafetensorsStore.from_file),
-    ("pytorch_model.bin.index.json", TorchStore.from_index),
-    ("pytorch_model.bin", TorchStore.from_file),
-)
+# The conventional names in a model folder, in order of preference; each is still opened by its contents.
+_FOLDER_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                 "pytorch_model.bin")
+_FOLDER_SCAN_LIMIT = 200  # files whose first bytes are read when a folder has no checkpoint: stays quick
+_OPENERS = {
+    "safetensors": SafetensorsStore.from_file,
+    "torch-zip": TorchStore.from_file,
+    "pickle": TorchStore.from_file,  # torch.load(weights_only=True) refuses any pickle that holds more than tensors
+    "npy": lambda path: NumpyStore(path, archive=False),
+    "npz": lambda path: NumpyStore(path, archive=True),
+    "gguf": GGUFStore,
+}
 
 
 def _open_file(path: Path):
-    name = path.name.lower()
-    if name.endswith(".safetensors.index.json"):
-        return SafetensorsStore.from_index(path)
-    if name.endswith(".bin.index.json"):
-        return TorchStore.from_index(path)
-    suffix = path.suffix.lower()
-    if suffix == ".safetensors":
-        return SafetensorsStore.from_file(path)
-    if suffix in (".bin", ".pt", ".pth", ".ckpt"):
-        return TorchStore.from_file(path)
-    if suffix in (".npy", ".npz"):
-        return NumpyStore(path)
-    if suffix == ".gguf":
-        return GGUFStore(path)
-    raise InputError(f"{path}: unknown checkpoint format (use .safetensors, .bin/.pt, .npy/.npz, .gguf or a model folder)")
+    kind = identify(path)
+    return _open_index(path) if kind == "index" else _OPENERS[kind](path)
+
+
+def _open_index(index: Path):
+    """Shards named by a weight_map: safetensors or torch files, as the first shard's contents say."""
+    first = index.parent / sorted(set(read_index(index).values()))[0]
+    kind = identify(first)
+    if kind == "safetensors":
+        return SafetensorsStore.from_index(index)
+    if kind in ("torch-zip", "pickle"):
+        return TorchStore.from_index(index)
+    raise InputError(f"{index}: its shards must be safetensors or PyTorch files, but {first.name} is "
+                     f"{DESCRIPTIONS[kind]}")
 
 
 def open_store(path: Path):
@@ -53,15 +59,27 @@ def open_store(path: Path):
         raise InputError(f"{path}: no such file or folder")
     if path.is_file():
         return _open_file(path)
-    for filename, opener in _FOLDER_FILES:
+    for filename in _FOLDER_FILES:
         if (path / filename).is_file():
-            return opener(path / filename)
+            return _open_file(path / filename)
     singles = sorted(p for p in path.iterdir() if p.suffix.lower() in (".safetensors", ".gguf"))
     if len(singles) == 1:
         return _open_file(singles[0])
-    looked = ", ".join(name for name, _ in _FOLDER_FILES)
+    _refuse_foreign_folder(path)
+    looked = ", ".join(_FOLDER_FILES)
     found = f"; it holds {len(singles)} candidate files" if singles else ""
     raise InputError(f"{path}: no checkpoint found (looked for {looked}, or a single .safetensors or .gguf file){found}")
+
+
+def _refuse_foreign_folder(folder: Path) -> None:
+    """Say so when a folder with no checkpoint holds another framework's model (a CTranslate2 model.bin,
+    a SavedModel's saved_model.pb, an ONNX file): that is more useful than "no checkpoint found"."""
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    for path in files[:_FOLDER_SCAN_LIMIT]:
+        foreign = foreign_format(path)
+        if foreign is not None:
+            raise InputError(f"{folder}: no checkpoint found; {path.name} is {foreign.what}, which the auditor "
+                             f"does not read: {foreign.advice}")
 
 
 def list_tensors(path: Path) -> list[TensorInfo]:

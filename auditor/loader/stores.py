@@ -9,9 +9,13 @@ and plain containers, so a malicious file is rejected rather than executed.
 from __future__ import annotations
 
 import json
+import os
+import re
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -45,7 +49,7 @@ class SafetensorsStore:
 
     @classmethod
     def from_index(cls, index: Path) -> SafetensorsStore:
-        weight_map = _read_index(index)
+        weight_map = read_index(index)
         return cls({name: index.parent / shard for name, shard in weight_map.items()})
 
     def tensors(self) -> dict[str, TensorInfo]:
@@ -81,13 +85,16 @@ def _safetensors_header(path: Path) -> dict[str, TensorInfo]:
         raise InputError(f"{path}: not a readable safetensors file ({_first_line(error)})") from None
 
 
-def _read_index(index: Path) -> dict[str, str]:
+def read_index(index: Path) -> dict[str, str]:
+    """The weight_map of a shard index (tensor name -> shard file), every shard checked present."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise InputError(f"{index}: not a readable shard index ({_first_line(error)})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise InputError(f"{index}: its weight_map must map tensor names to shard files")
+    if not weight_map:
+        raise InputError(f"{index}: its weight_map is empty")
     missing = sorted({shard for shard in weight_map.values() if not (index.parent / shard).is_file()})
     if missing:
         raise InputError(f"{index}: shard {missing[0]} is missing from {index.parent}")
@@ -110,7 +117,7 @@ class TorchStore:
 
     @classmethod
     def from_index(cls, index: Path) -> TorchStore:
-        weight_map = _read_index(index)
+        weight_map = read_index(index)
         return cls({name: index.parent / shard for name, shard in weight_map.items()})
 
     def _state(self, path: Path) -> dict:
@@ -132,20 +139,17 @@ class TorchStore:
 
 def _torch_state_dict(path: Path) -> dict:
     import pickle
-    import zipfile
 
     try:
-        try:
-            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as error:
-            if "mmap" not in str(error) and "zip" not in str(error):
-                raise
-            obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy, not memory-mappable
+        obj = _torch_load(path)
     except pickle.UnpicklingError as error:
-        raise InputError(f"{path}: refused to unpickle: the file holds more than tensors "
-                         f"({_first_line(error)})") from None
-    except (RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile) as error:
-        raise InputError(f"{path}: not a readable PyTorch checkpoint ({_first_line(error)})") from None
+        # torch's own text advises retrying with weights_only=False, which would run whatever the
+        # pickle says: never pass it on.
+        raise InputError(f"{path}: refused to unpickle: it holds objects other than tensors{_refused_global(error)}, "
+                         "and the auditor never unpickles arbitrary objects; whoever trusts the file can load it "
+                         "and save its tensors as safetensors") from None
+    except Exception as error:  # a damaged pickle can fail in any way at all inside torch.load
+        raise InputError(f"{path}: not a readable PyTorch checkpoint ({_torch_reason(error)})") from None
     # Training checkpoints wrap the weights beside optimizer state, epochs and the like.
     for key in ("state_dict", "model", "module"):
         inner = obj.get(key) if isinstance(obj, dict) else None
@@ -161,14 +165,51 @@ def _torch_state_dict(path: Path) -> dict:
     return tensors
 
 
+def _torch_load(path: Path):
+    """torch.load(weights_only=True) of a file already known to be a torch file, memory-mapped if a zip."""
+    with open(path, "rb") as stream, warnings.catch_warnings():
+        # torch warns about pickle protocols and the like on stderr: the load's result, or its one-line
+        # error, is all people need.
+        warnings.simplefilter("ignore")
+        # torch.load hands any path ending in .safetensors to the safetensors library, whatever the
+        # file holds; such a misnamed torch file is named to torch by its open descriptor instead.
+        source: str | BinaryIO = str(path)
+        if source.endswith(".safetensors"):
+            source = f"/dev/fd/{stream.fileno()}" if os.path.isdir("/dev/fd") else stream
+        if not isinstance(source, str):  # an open stream, which torch cannot memory-map
+            return torch.load(source, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as error:
+            if "mmap" not in str(error) and "zip" not in str(error):
+                raise
+            return torch.load(source, map_location="cpu", weights_only=True)  # legacy, not memory-mappable
+
+
+def _refused_global(error: BaseException) -> str:
+    """The class or function the weights-only unpickler refused, when its message names one."""
+    found = re.search(r"GLOBAL (\S+) was not an allowed global", str(error))
+    return f" ({found.group(1)})" if found else " (or was not written by torch.save)"
+
+
+def _torch_reason(error: BaseException) -> str:
+    # torch appends its weights_only=False advice to some errors (TorchScript archives, for one).
+    reason = _first_line(error)
+    if "weights_only" in reason or "trusted source" in reason:
+        return "torch.load refused it with weights_only=True"
+    if isinstance(error, (RuntimeError, OSError, EOFError, ValueError)):
+        return reason
+    return f"{type(error).__name__}: {reason}"  # a KeyError's text alone ("101") says nothing
+
+
 class NumpyStore:
     """.npy (one array, called 'weight') or .npz (arrays by name, read one at a time), never unpickled."""
 
     format = "numpy"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, archive: bool):
         self._path = path
-        self._npz = path.suffix.lower() == ".npz"
+        self._npz = archive  # from the file's contents: its name may say otherwise
         try:
             if not self._npz:
                 array = np.load(path, mmap_mode="r", allow_pickle=False)

@@ -1,0 +1,194 @@
+"""Other frameworks' model files, told apart by their first bytes, each with what to do instead.
+
+The auditor reads none of these. Naming the format (rather than saying "unreadable",
+or handing the bytes to torch.load, whose refusal advises an unsafe retry) tells
+people at once that the file is fine but the wrong kind, and where the head they
+want lives. Each recogniser looks at the first bytes only and is specific enough
+not to claim a checkpoint the auditor does read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Foreign:
+    """A known format the auditor does not read."""
+
+    what: str  # "a CTranslate2 model (WhisperSpec)"
+    advice: str  # what to audit instead, one clause
+
+
+_FROM_SOURCE = "audit the PyTorch or safetensors checkpoint it was converted from"
+_KERAS = ("audit the PyTorch or safetensors checkpoint of the same model, or save the output layer's kernel, "
+          "transposed to vocabulary x hidden, with numpy.save and audit the .npy")
+_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+# llama.cpp and whisper.cpp before GGUF: a little-endian uint32 magic.
+_GGML_MAGICS = {b"lmgg": "ggml", b"fmgg": "ggmf", b"tjgg": "ggjt", b"algg": "ggla"}
+# CTranslate2 spec names are Python class names, all ending in "Spec" (WhisperSpec, TransformerDecoderSpec, ...).
+_SPEC_NAME = re.compile(rb"[A-Z][A-Za-z0-9_]{0,120}Spec")
+_ONNX_WIRE_TYPES = {2: 2, 3: 2, 4: 2, 5: 0, 6: 2, 7: 2, 8: 2, 14: 2, 20: 2, 25: 2}  # ModelProto field -> wire type
+_ONNX_STRINGS = {2: "producer", 3: "version"}
+
+
+def recognise(head: bytes, size: int) -> Foreign | None:
+    """What ``head`` (a file's first bytes; the file has ``size`` bytes) says the file is, when it is a
+    known format of another framework; None otherwise."""
+    for recogniser in _RECOGNISERS:
+        found = recogniser(head, size)
+        if found is not None:
+            return found
+    return None
+
+
+def torchscript() -> Foreign:
+    """A torch.jit.save archive: torch.load refuses it with weights_only, and it is no state dict."""
+    return Foreign("a TorchScript archive (torch.jit.save)",
+                   "where you trust the file, load it with torch.jit.load, save its state_dict() with "
+                   "safetensors, and audit that")
+
+
+def keras_archive() -> Foreign:
+    return Foreign("a Keras 3 archive (.keras)", _KERAS)
+
+
+def _hdf5(head: bytes, size: int) -> Foreign | None:
+    # The superblock sits at 0, or after a user block of 512, 1024, ... bytes; the first two are looked at.
+    if head.startswith(_HDF5_MAGIC) or head[512:520] == _HDF5_MAGIC:
+        return Foreign("an HDF5 file (TensorFlow/Keras .h5 weights)",
+                       "convert it with transformers (from_pretrained(folder, from_tf=True), then save_pretrained), "
+                       "or save the output layer's kernel, transposed to vocabulary x hidden, with numpy.save "
+                       "and audit the .npy")
+    return None
+
+
+def _tflite(head: bytes, size: int) -> Foreign | None:
+    # A FlatBuffer: a uint32 root offset, then the file identifier.
+    if head[4:8] == b"TFL3":
+        return Foreign("a TensorFlow Lite model", f"{_FROM_SOURCE} (TensorFlow Lite weights are often quantised)")
+    return None
+
+
+def _ggml(head: bytes, size: int) -> Foreign | None:
+    magic = _GGML_MAGICS.get(head[:4])
+    if magic is None:
+        return None
+    return Foreign(f"a {magic} file from llama.cpp or whisper.cpp before GGUF",
+                   "convert it to GGUF with llama.cpp's conversion script and audit the .gguf, or " + _FROM_SOURCE)
+
+
+def _ctranslate2(head: bytes, size: int) -> Foreign | None:
+    # model.bin: a uint32 binary version (6 today; version 1 had no spec name), then the spec name,
+    # written as a uint16 length that counts a trailing NUL. A one-byte length is accepted too: the
+    # spec name ending in "Spec" right after the version is what makes the file unmistakable.
+    version = int.from_bytes(head[:4], "little")
+    if not 2 <= version <= 64:
+        return None
+    for start in (6, 5):  # after a two-byte length, or a one-byte one
+        name = _SPEC_NAME.match(head, start)
+        length = int.from_bytes(head[4:start], "little")
+        if name and length in (len(name.group()), len(name.group()) + 1):
+            return Foreign(f"a CTranslate2 model ({name.group().decode()})",
+                           f"{_FROM_SOURCE} (CTranslate2 may have quantised its weights)")
+    return None
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int] | None:
+    """A protobuf varint at ``at``: (value, the offset after it); None if it runs off the end."""
+    value = shift = 0
+    while at < len(data) and shift < 64:
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at, shift = at + 1, shift + 7
+        if not byte & 0x80:
+            return value, at
+    return None
+
+
+def _onnx(head: bytes, size: int) -> Foreign | None:
+    # A ModelProto: field 1 ir_version (3 and up since 2017) first, then its other fields in field
+    # order: producer name and version, domain, model version, doc string, the graph, opsets.
+    if head[:1] != b"\x08":
+        return None
+    first = _varint(head, 1)
+    if first is None or not 3 <= first[0] <= 30:
+        return None
+    at, fields, strings = first[1], 0, {}
+    while at < len(head):
+        tag = _varint(head, at)
+        if tag is None:
+            break
+        number, wire = tag[0] >> 3, tag[0] & 7
+        if _ONNX_WIRE_TYPES.get(number) != wire:
+            return None
+        value = _varint(head, tag[1])
+        if value is None:
+            break
+        fields += 1
+        if wire == 0:
+            at = value[1]
+            continue
+        start, end = value[1], value[1] + value[0]
+        if end > size:
+            return None
+        if number in _ONNX_STRINGS and end <= len(head):
+            try:
+                strings[_ONNX_STRINGS[number]] = head[start:end].decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+        if number >= 7:  # the graph: everything after it is the model itself
+            break
+        at = end
+    if fields == 0:
+        return None
+    producer = " ".join(strings[key] for key in ("producer", "version") if strings.get(key))
+    return Foreign("an ONNX model" + (f" (exported by {producer})" if producer else ""),
+                   "audit the checkpoint it was exported from, or save the head's initializer "
+                   "(onnx.numpy_helper.to_array) with numpy.save and audit the .npy")
+
+
+def _saved_model(head: bytes, size: int) -> Foreign | None:
+    # saved_model.pb: field 1 schema version 1, then field 2, a MetaGraphDef that fills the file
+    # and begins with its meta_info_def (field 1).
+    if not head.startswith(b"\x08\x01\x12"):
+        return None
+    length = _varint(head, 3)
+    if length is None or length[1] + length[0] > size or head[length[1]:length[1] + 1] != b"\x0a":
+        return None
+    return Foreign("a TensorFlow SavedModel", _KERAS)
+
+
+def _flax_msgpack(head: bytes, size: int) -> Foreign | None:
+    # flax.serialization.to_bytes: a msgpack map of named modules, each a map of parameters
+    # (or a parameter, stored as msgpack extension type 1).
+    if 0x81 <= head[0] <= 0x8F:
+        at = 1
+    elif head[0] in (0xDE, 0xDF):
+        at = 3 if head[0] == 0xDE else 5
+    else:
+        return None
+    if at >= len(head):
+        return None
+    if 0xA1 <= head[at] <= 0xBF:
+        length, at = head[at] - 0xA0, at + 1
+    elif head[at] == 0xD9 and at + 1 < len(head):
+        length, at = head[at + 1], at + 2
+    else:
+        return None
+    key, value = head[at:at + length], head[at + length:at + length + 1]
+    if len(key) < length or not key.isascii() or not key.decode().isprintable() or not value:
+        return None
+    is_map = 0x80 <= value[0] <= 0x8F or value[0] in (0xDE, 0xDF)
+    is_array = 0xC7 <= value[0] <= 0xC9 or 0xD4 <= value[0] <= 0xD8
+    if not (is_map or is_array):
+        return None
+    return Foreign("a Flax msgpack checkpoint",
+                   "convert it with transformers (from_pretrained(folder, from_flax=True), then save_pretrained) "
+                   "and audit the .safetensors")
+
+
+_RECOGNISERS: tuple[Callable[[bytes, int], Foreign | None], ...] = (
+    _hdf5, _tflite, _ggml, _ctranslate2, _saved_model, _onnx, _flax_msgpack)

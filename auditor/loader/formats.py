@@ -1,0 +1,174 @@
+"""What a checkpoint file is, from its first bytes; its name is only a hint for the message.
+
+Names lie: a safetensors file saved as model.bin, a CTranslate2 model.bin, a Git
+LFS pointer named model.safetensors. Handing such a file to the reader its name
+suggests gives a baffling error (or, for torch.load, advice to unpickle it
+unsafely), so the loader asks ``identify`` first. It reads SNIFF_BYTES and,
+for a zip archive, the member names; nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+from auditor.errors import InputError
+from auditor.loader.foreign import Foreign, keras_archive, recognise, torchscript
+
+SNIFF_BYTES = 1024
+# The formats the stores read: safetensors, a torch.save zip, a pickle (a legacy torch.save, read with
+# weights_only), numpy's .npy and .npz, GGUF, and a shard index (JSON with a weight_map).
+DESCRIPTIONS = {"safetensors": "a safetensors file", "torch-zip": "a PyTorch checkpoint (zip)",
+                "pickle": "a pickle (a legacy PyTorch checkpoint, or any other)", "npy": "an .npy array",
+                "npz": "an .npz archive", "gguf": "a GGUF file", "index": "a shard index"}
+READABLE = tuple(DESCRIPTIONS)
+
+_MAX_SAFETENSORS_HEADER = 100_000_000  # the limit the safetensors library itself enforces
+_MAX_INDEX_BYTES = 64 << 20
+_ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")  # a local file header; an empty archive's end record
+_PICKLE_PROTOCOLS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # torch.save's legacy format uses 2
+_EXPECTED = "expected safetensors, a torch .bin/.pt, .npy/.npz or .gguf"
+_NAMED_LIKE = {".safetensors": "a safetensors file", ".gguf": "a GGUF file", ".npy": "an .npy file",
+               ".npz": "an .npz archive", ".pt": "a PyTorch checkpoint", ".pth": "a PyTorch checkpoint",
+               ".ckpt": "a PyTorch checkpoint"}
+
+
+def identify(path: Path) -> str:
+    """The format of the file at ``path``, one of READABLE, decided by its contents.
+
+    Raises InputError, one line naming the file, when it is empty, truncated, text,
+    unknown, or a known format of another framework (saying what to audit instead).
+    """
+    head, size = _first_bytes(path)
+    kind = _kind(path, head, size)
+    if isinstance(kind, Foreign):
+        raise InputError(f"{path}: {kind.what}, which the auditor does not read: {kind.advice}")
+    return kind
+
+
+def foreign_format(path: Path) -> Foreign | None:
+    """The other framework's format of the file at ``path``, if it is one; None for anything else
+    (a checkpoint, text, an unreadable file). For telling people what a folder holds instead."""
+    try:
+        head, size = _first_bytes(path)
+        if size == 0 or _readable_magic(path, head, size) or _as_text(head) is not None:
+            return None
+        kind = _zip_kind(path) if head[:4] in _ZIP_MAGICS else recognise(head, size)
+    except InputError:
+        return None
+    return kind if isinstance(kind, Foreign) else None
+
+
+def _first_bytes(path: Path) -> tuple[bytes, int]:
+    try:
+        with open(path, "rb") as stream:
+            return stream.read(SNIFF_BYTES), os.fstat(stream.fileno()).st_size
+    except OSError as error:
+        raise InputError(f"{path}: cannot be read ({error.strerror or error})") from None
+
+
+def _kind(path: Path, head: bytes, size: int) -> str | Foreign:
+    if size == 0:
+        raise InputError(f"{path}: an empty file, not a checkpoint")
+    readable = _readable_magic(path, head, size)
+    if readable is not None:
+        return readable
+    if head[:4] in _ZIP_MAGICS:
+        return _zip_kind(path)
+    text = _as_text(head)  # before the foreign formats: text never starts with their binary magics
+    if text is not None:
+        return _text_kind(path, text, size)
+    foreign = recognise(head, size)
+    if foreign is not None:
+        return foreign
+    hint = _NAMED_LIKE.get(path.suffix.lower())
+    named = f"; its name says {hint}, but it does not begin like one (damaged, or a partial download?)" if hint else ""
+    raise InputError(f"{path}: not a recognised checkpoint format ({_EXPECTED}){named}")
+
+
+def _readable_magic(path: Path, head: bytes, size: int) -> str | None:
+    """A format recognised by a fixed prefix; zip archives need their member names, so not here."""
+    if _is_safetensors(path, head, size):
+        return "safetensors"
+    if head.startswith(b"GGUF"):
+        return "gguf"
+    if head.startswith(b"\x93NUMPY"):
+        return "npy"
+    if head[:2] in _PICKLE_PROTOCOLS:
+        return "pickle"
+    return None
+
+
+def _is_safetensors(path: Path, head: bytes, size: int) -> bool:
+    # An 8-byte little-endian header length N, then N bytes of JSON: an object, so "{".
+    if head[8:9] != b"{":
+        return False
+    length = int.from_bytes(head[:8], "little")
+    if not 2 <= length <= _MAX_SAFETENSORS_HEADER:
+        return False
+    if 8 + length > size:
+        raise InputError(f"{path}: a truncated safetensors file (its header alone needs {8 + length} bytes, "
+                         f"the file has {size}): download or copy it again")
+    return True
+
+
+def _zip_kind(path: Path) -> str | Foreign:
+    # torch.save writes <dir>/data.pkl beside <dir>/data/<storage>; np.savez writes <name>.npy members.
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise InputError(f"{path}: a damaged or truncated zip archive ({reason})") from None
+    if not names:
+        raise InputError(f"{path}: an empty zip archive, not a checkpoint")
+    top_level = [name.split("/", 1)[1] for name in names if name.count("/") >= 1]
+    if "constants.pkl" in top_level:  # torch.jit.save also writes data.pkl, so ask first
+        return torchscript()
+    if "data.pkl" in top_level:
+        return "torch-zip"
+    if all(name.endswith(".npy") for name in names):
+        return "npz"
+    if "config.json" in names and "model.weights.h5" in names:
+        return keras_archive()
+    raise InputError(f"{path}: a zip archive, but neither a PyTorch checkpoint nor an .npz "
+                     f"(its first member is {names[0]!r})")
+
+
+def _as_text(head: bytes) -> str | None:
+    """``head`` as text when it is printable UTF-8 (a multi-byte character cut at the end allowed)."""
+    if b"\x00" in head:
+        return None
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        if error.start < len(head) - 3 or error.reason != "unexpected end of data":
+            return None
+        text = head[:error.start].decode("utf-8")
+    text = text.removeprefix("\ufeff")
+    return text if all(ch.isprintable() or ch in "\t\n\r\f\v" for ch in text) else None
+
+
+def _text_kind(path: Path, text: str, size: int) -> str:
+    if text.startswith("version https://git-lfs"):
+        raise InputError(f"{path}: not a checkpoint but a Git LFS pointer to one: fetch the file itself "
+                         "(git lfs pull)")
+    if text.lstrip().startswith("{"):
+        if _is_index(path, size):
+            return "index"
+        raise InputError(f"{path}: not a checkpoint (a JSON text file, not a shard index with a weight_map)")
+    first = text.strip().splitlines()[0][:30] if text.strip() else ""
+    begins = f" that begins {first!r}" if first else ""
+    raise InputError(f"{path}: not a checkpoint (a text file{begins})")
+
+
+def _is_index(path: Path, size: int) -> bool:
+    if size > _MAX_INDEX_BYTES:
+        return False
+    try:
+        document = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(document, dict) and "weight_map" in document
