@@ -31,6 +31,8 @@ exit codes:
 examples:
   # audit a model folder and print a text report
   audit model/
+  # a model on the Hugging Face Hub, at a branch, tag or commit (fetches only the head's files)
+  audit org/name@main
   # the complete report as JSON, written atomically
   audit model/ --format json --output report.json
   # in CI: expected findings pass, every certificate is kept for re-checking
@@ -54,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="audit", description="Find the tokens of a language model's head that can never be its "
                                                "top prediction, and prove every verdict.",
                      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", type=Path, help="a checkpoint file (safetensors, a torch .bin/.pt, .npy/.npz or GGUF, "
-                                                "recognised by its contents) or a model folder")
+    parser.add_argument("path", help="a checkpoint file (safetensors, a torch .bin/.pt, .npy/.npz or GGUF, recognised "
+                                     "by its contents), a model folder, or a model on the Hugging Face Hub: org/name "
+                                     "or org/name@revision (needs auditor[hub]; only the files the head needs are "
+                                     "fetched, the cache first)")
     parser.add_argument("--weight", metavar="NAME",
                         help="the head's weight tensor (default: detected), or A@B for the head A @ B (a name ending "
                              "in .T is transposed): decided exactly on A when B has full row rank")
@@ -205,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     allow = AllowList.read(args.allow) if args.allow else None
     baseline = Baseline.read(args.baseline) if args.baseline else None
     started = time.perf_counter()
-    head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress)
+    head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress,
+                     need_norm=domain == auditor.Norm())
     load_seconds = time.perf_counter() - started
     if baseline is not None:
         baseline.check(head, domain, args.ceiling)

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                      description="Re-check every certificate of a file written by audit --certificates FILE\n"
                                  "against the checkpoint, in plain float64 arithmetic.")
     parser.add_argument("certificates", type=Path, metavar="CERTS", help="the certificates file (JSON)")
-    parser.add_argument("path", type=Path, metavar="PATH", help="the checkpoint file or model folder that was audited")
+    parser.add_argument("path", metavar="PATH", help="the checkpoint file or model folder that was audited, or its "
+                                                     "Hugging Face Hub id org/name[@revision]")
     parser.add_argument("--weight", metavar="NAME",
                         help="the head's weight tensor (default: detected, as audit does); A@B for a factorised head")
     parser.add_argument("--bias", metavar="NAME", help="the head's bias tensor (default: detected; 'none' for no bias)")
@@ -130,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     if args.domain is not None and auditor.parse_domain(args.domain) != certs.domain:
         raise InputError(f"--domain {args.domain}: {certs.source} holds certificates for the {certs.domain} domain")
     progress = not args.quiet and sys.stderr.isatty()
-    head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress)
+    head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress,
+                     need_norm=certs.domain == auditor.Norm())
     _check_factors(certs, head, args.path)
     _check_fits(certs, head, args.path)
     result = auditor.verify(certs, head.weight, head.bias, final_norm=_final_norm(certs, head, args))

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from auditor.errors import InputError
 from auditor.head import FinalNorm, Head
 from auditor.loader.formats import DESCRIPTIONS, foreign_format, identify
+from auditor.loader import hub
 from auditor.loader.naming import choose_head
 from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore, read_index
 from auditor.loader.tokens import read_token_strings
@@ -84,6 +85,8 @@ def _refuse_foreign_folder(folder: Path) -> None:
 
 def list_tensors(path: Path) -> list[TensorInfo]:
     """The tensors of a checkpoint with their shapes and dtypes, by name."""
+    if hub.is_hub_id(path):
+        return hub.list_tensors(str(path))
     return sorted(open_store(Path(path)).tensors().values(), key=lambda info: info.name)
 
 
@@ -124,7 +127,8 @@ def _flat_bias(bias):
     return bias.reshape(-1) if len(bias.shape) == 2 else bias
 
 
-def load_head(path, weight: str | None = None, bias: str | None = None, progress: bool = False) -> Head:
+def load_head(path, weight: str | None = None, bias: str | None = None, progress: bool = False,
+              need_norm: bool = False, store=None) -> Head:
     """Load a head from a checkpoint file or model folder.
 
     ``weight`` / ``bias`` name the tensors explicitly (``weight="A@B"``: the head
@@ -133,9 +137,15 @@ def load_head(path, weight: str | None = None, bias: str | None = None, progress
     tried (see loader/naming.py). Returns a Head. Raises InputError for a
     missing path, an unreadable or unknown file, a refused pickle, or an absent
     or ambiguous head.
+
+    ``path`` may also be a model on the Hugging Face Hub, ``org/name[@revision]`` (loader/hub.py): only the
+    files the head needs are fetched, the final norm's too when ``need_norm``. ``store`` is a store already
+    opened on ``path`` (the Hub's fetched shards).
     """
+    if store is None and hub.is_hub_id(path):
+        return hub.load_head(str(path), weight, bias, progress, need_norm)
     path = Path(path)
-    store = open_store(path)
+    store = open_store(path) if store is None else store
     folder = path if path.is_dir() else path.parent
     config = _read_config(folder)
     names = choose_head(store.tensors(), weight, bias, config.get("tie_word_embeddings"), str(path))
