@@ -116,9 +116,9 @@ def offline(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
-def run_audit(capsys, *args) -> tuple[int, dict | None, str]:
-    """``audit ARGS --format json --quiet`` in this process: (exit code, the report, stderr)."""
-    code = audit([*map(str, args), "--format", "json", "--quiet"])
+def run_audit(capsys, *args, quiet=True) -> tuple[int, dict | None, str]:
+    """``audit ARGS --format json [--quiet]`` in this process: (exit code, the report, stderr)."""
+    code = audit([*map(str, args), "--format", "json", *(["--quiet"] if quiet else [])])
     out, err = capsys.readouterr()
     return code, (json.loads(out) if out else None), err
 
@@ -322,12 +322,26 @@ def local_sharded(tmp_path):
 
 
 def test_a_sharded_model_fetches_only_the_shard_holding_the_head(fake_hub, local_sharded, capsys):
-    code, report, err = run_audit(capsys, REPO)
-    assert code == 1 and err == ""
+    code, report, err = run_audit(capsys, REPO, quiet=False)
+    assert code == 1 and err == ""  # and no download bars: stderr is not a terminal
     assert fake_hub.content_fetched() == {"config.json", "vocab.txt", "model.safetensors.index.json", HEAD_SHARD}
     assert report["head"]["path"] == f"{REPO}@{COMMIT}" and report["head"]["weight"] == "lm_head.weight"
     assert report["head"]["token_strings"].endswith("vocab.txt")
     assert same_audit(report, run_audit(capsys, local_sharded)[1])
+
+
+def test_hf_endpoint_and_cache_in_the_environment_are_honoured_in_a_fresh_process(fake_hub, local_sharded,
+                                                                                   tmp_path, capsys):
+    env = {**os.environ, "HF_ENDPOINT": fake_hub.endpoint, "HF_HUB_CACHE": str(tmp_path / "fresh-cache"),
+           "HF_HOME": str(tmp_path / "hf-home"), "OMP_NUM_THREADS": "1"}
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-m", "auditor", REPO, "--format", "json", "--quiet"],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and done.stderr == "", done.stderr
+    assert fake_hub.content_fetched() == {"config.json", "vocab.txt", "model.safetensors.index.json", HEAD_SHARD}
+    assert (tmp_path / "fresh-cache" / "models--org--name" / "snapshots" / COMMIT / HEAD_SHARD).is_file()
+    assert same_audit(json.loads(done.stdout), run_audit(capsys, local_sharded)[1])
 
 
 def test_the_norm_domain_also_fetches_the_shard_holding_the_final_norm(fake_hub, local_sharded, capsys):
@@ -381,3 +395,11 @@ def test_an_unreachable_hub_with_nothing_cached_is_one_line(hub_env, capsys):
     code, _, err = run_audit(capsys, REPO)  # the endpoint is a closed port
     line = one_error_line(code, err)
     assert "cannot be reached" in line and "not in the local cache" in line, line
+
+
+def test_an_unreachable_hub_falls_back_to_the_cache_and_says_so(fake_hub, monkeypatch, capsys):
+    _, online, _ = run_audit(capsys, REPO)
+    point_at(monkeypatch, "http://127.0.0.1:9")
+    code, report, err = run_audit(capsys, REPO)
+    assert (code, err) == (1, "") and same_audit(report, online)
+    assert any("cannot be reached" in note and COMMIT in note for note in report["notes"])

@@ -277,6 +277,9 @@ class _HubFiles:
         return path
 
     def headers(self, shard: str) -> dict[str, TensorInfo]:
+        cached = self._hub.try_to_load_from_cache(self.repo_id, shard, revision=self.commit) if self.commit else None
+        if isinstance(cached, str):  # a shard fetched before: its header is here
+            return SafetensorsStore.from_file(Path(cached)).tensors()
         metadata = self._api.parse_safetensors_file_metadata(self.repo_id, shard,
                                                              revision=self.commit or self._revision)
         return {name: TensorInfo(name, tuple(info.shape), info.dtype) for name, info in metadata.tensors.items()}
