@@ -204,6 +204,15 @@ def test_offline_environment_variables_are_honoured_in_a_fresh_process(cached, t
     assert report["head"]["path"] == f"{REPO}@{COMMIT}" and report["findings"] == direct["findings"]
 
 
+def test_offline_a_cached_input_embedding_is_not_taken_for_an_uncached_head(hub_env, monkeypatch, capsys):
+    files = model_files(sharded=True)
+    del files[HEAD_SHARD]  # only the embedding's shard is cached; config.json says the head is not tied
+    write_cache(hub_env, REPO, files)
+    offline(monkeypatch)
+    code, _, err = run_audit(capsys, REPO)
+    assert HEAD_SHARD in one_error_line(code, err)
+
+
 def test_certificates_of_an_id_are_verified_against_the_id(cached, tmp_path, capsys):
     certificates = tmp_path / "certificates.json"
     assert audit([REPO, "--certificates", str(certificates), "--quiet", "--fail-on", "none"]) == 0

@@ -34,6 +34,7 @@ _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy", ".npz"
 SHARD_INDEXES = {"model.safetensors.index.json": SafetensorsStore, "pytorch_model.bin.index.json": TorchStore}
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
                 "pytorch_model.bin")
+_OFFLINE = "HF_HUB_OFFLINE=1 forbids fetching it (unset HF_HUB_OFFLINE to fetch)"
 # Both are fetched when present: which one gives the strings depends on whether tokenizers is installed.
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 
@@ -101,7 +102,7 @@ def resolve(repo_id: str, revision: str | None = None, *, weight: str | None = N
     label = repo_id + (f"@{revision}" if revision else "")
     with _progress_bars(shown=progress), _hub_errors(hub, label, repo_id, revision):
         if hub.constants.HF_HUB_OFFLINE:
-            return _gather(_CachedFiles(hub, repo_id, revision, "HF_HUB_OFFLINE=1 forbids fetching it"),
+            return _gather(_CachedFiles(hub, repo_id, revision, _OFFLINE),
                            label, weight, bias, need_norm)
         if revision and _COMMIT.fullmatch(revision):  # a commit never changes: what is cached is current
             try:
@@ -125,7 +126,7 @@ def list_tensors(text: str) -> list[TensorInfo]:
     hub = _import_hub(repo_id, revision)
     with _hub_errors(hub, text, repo_id, revision):
         offline = hub.constants.HF_HUB_OFFLINE
-        source = (_CachedFiles(hub, repo_id, revision, "HF_HUB_OFFLINE=1 forbids fetching it") if offline
+        source = (_CachedFiles(hub, repo_id, revision, _OFFLINE) if offline
                   else _HubFiles(hub, repo_id, revision))
         if "model.safetensors.index.json" in source.files:
             shards = sorted(set(_weight_map(source.get("model.safetensors.index.json")).values()))
@@ -187,29 +188,34 @@ def _weights_file(source, label: str) -> str:
 
 def _choose_from_headers(source, weight_map, candidates, weight, bias, tie, label) -> HeadNames:
     """The head's tensors, chosen as the loader chooses them, from the headers of the shards that hold a
-    tensor that could be chosen; offline, a shard that is not cached must be one the choice passes over."""
+    tensor that could be chosen (every shard when no name is known). Offline, a shard that is not cached
+    must be one the choice passes over: an input embedding's, when an untied output head is chosen."""
     shards = sorted({weight_map[name] for name in candidates} or set(weight_map.values()))
-    infos, unread = {}, []
+    infos, unread = {}, set()
     for shard in shards:
         header = source.headers(shard)
         if header is None:
-            unread.append(shard)
-            continue
-        infos.update({name: info for name, info in header.items() if weight_map.get(name) == shard})
+            unread.add(shard)
+        else:
+            infos.update({name: info for name, info in header.items() if weight_map.get(name) == shard})
+
+    def missing(shard: str) -> InputError:
+        return source.absent(f"the shard {shard}, which holds a tensor the audit may need,")
+
+    if unread and not candidates:
+        raise missing(min(unread))
     unknown = sorted(name for name in candidates if weight_map[name] in unread)
-    # an input embedding is passed over when a head is chosen and config.json does not tie them; nothing else is
     passable = [name for name in unknown if weight is None and _is_embedding(name)]
     if len(passable) < len(unknown):
-        raise source.absent(f"the shard {weight_map[sorted(set(unknown) - set(passable))[0]]}, which holds a "
-                            "tensor the head may be")
+        raise missing(weight_map[next(name for name in unknown if name not in passable)])
     try:
         names = choose_head(infos, weight, bias, tie, label)
     except InputError:
-        if passable:
-            raise source.absent(f"the shard {weight_map[passable[0]]}, which holds a tensor the head may be") from None
+        if passable:  # the unread embedding may be the head that was not found
+            raise missing(weight_map[passable[0]]) from None
         raise
     if passable and (names.tied or tie is True):
-        raise source.absent(f"the shard {weight_map[passable[0]]}, which holds a tensor the head may be")
+        raise missing(weight_map[passable[0]])
     return names
 
 
@@ -299,7 +305,7 @@ class _CachedFiles:
         self._label = repo_id + (f"@{revision}" if revision else "")
         self.folder = _cached_snapshot(hub, repo_id, revision)
         if self.folder is None:
-            raise self.absent("it")
+            raise self.absent("the model")
         self.commit = self.folder.name
         self.files = sorted(p.relative_to(self.folder).as_posix() for p in self.folder.rglob("*") if p.is_file())
 
