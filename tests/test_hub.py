@@ -69,6 +69,26 @@ def model_files(sharded: bool) -> dict[str, bytes]:
     return files
 
 
+def as_torch_shards(files: dict[str, bytes]) -> dict[str, bytes]:
+    """The sharded model as pytorch_model-*.bin pickles and their pytorch_model.bin.index.json."""
+    import io
+
+    import torch
+    from safetensors.numpy import load
+
+    index = json.loads(files["model.safetensors.index.json"])
+    renamed = {shard: shard.replace("model-", "pytorch_model-").replace(".safetensors", ".bin")
+               for shard in set(index["weight_map"].values())}
+    torch_files = {name: content for name, content in files.items() if not name.startswith("model")}
+    for shard, bin_name in renamed.items():
+        buffer = io.BytesIO()
+        torch.save({name: torch.from_numpy(array) for name, array in load(files[shard]).items()}, buffer)
+        torch_files[bin_name] = buffer.getvalue()
+    weight_map = {name: renamed[shard] for name, shard in index["weight_map"].items()}
+    torch_files["pytorch_model.bin.index.json"] = json.dumps({"weight_map": weight_map}).encode()
+    return torch_files
+
+
 def write_folder(folder: Path, files: dict[str, bytes]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for name, content in files.items():
@@ -388,6 +408,17 @@ def test_list_tensors_reads_headers_and_fetches_no_weights(fake_hub, capsys):
     assert listed == ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.mlp.weight",
                       "model.layers.1.mlp.weight"]
     assert not any(name.endswith(".safetensors") for name in fake_hub.content_fetched())
+
+
+def test_bin_shards_are_fetched_when_they_hold_a_tensor_that_could_be_the_head(fake_hub, tmp_path, capsys):
+    fake_hub.repos["org/pickled"] = as_torch_shards(model_files(sharded=True))
+    code, report, err = run_audit(capsys, "org/pickled")
+    assert (code, err) == (1, "")
+    # the head's shard and the input embedding's (shapes cannot be read remotely), not the final norm's
+    assert fake_hub.content_fetched() == {"config.json", "vocab.txt", "pytorch_model.bin.index.json",
+                                          "pytorch_model-00001-of-00003.bin", "pytorch_model-00002-of-00003.bin"}
+    local = write_folder(tmp_path / "pickled", fake_hub.repos["org/pickled"])
+    assert report["head"]["format"] == "pytorch" and same_audit(report, run_audit(capsys, local)[1])
 
 
 @pytest.mark.parametrize("text, words", [

@@ -34,9 +34,10 @@ _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy", ".npz"
 SHARD_INDEXES = {"model.safetensors.index.json": SafetensorsStore, "pytorch_model.bin.index.json": TorchStore}
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
                 "pytorch_model.bin")
-_OFFLINE = "HF_HUB_OFFLINE=1 forbids fetching it (unset HF_HUB_OFFLINE to fetch)"
 # Both are fetched when present: which one gives the strings depends on whether tokenizers is installed.
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
+
+_OFFLINE = "HF_HUB_OFFLINE=1 forbids fetching it (unset HF_HUB_OFFLINE to fetch)"
 
 
 def is_hub_id(text) -> bool:
@@ -102,8 +103,7 @@ def resolve(repo_id: str, revision: str | None = None, *, weight: str | None = N
     label = repo_id + (f"@{revision}" if revision else "")
     with _progress_bars(shown=progress), _hub_errors(hub, label, repo_id, revision):
         if hub.constants.HF_HUB_OFFLINE:
-            return _gather(_CachedFiles(hub, repo_id, revision, _OFFLINE),
-                           label, weight, bias, need_norm)
+            return _gather(_CachedFiles(hub, repo_id, revision, _OFFLINE), label, weight, bias, need_norm)
         if revision and _COMMIT.fullmatch(revision):  # a commit never changes: what is cached is current
             try:
                 return _gather(_CachedFiles(hub, repo_id, revision, ""), label, weight, bias, need_norm)
