@@ -179,7 +179,10 @@ class Ranks:
 
 
 def _outcome(statuses: list) -> tuple[int, str | None]:
-    """The exit code and rank 0's error line from every rank's status; errors win over stops."""
+    """The exit code and rank 0's error line (None when there is no error) from every rank's status; errors
+    win over stops."""
+    if all(kind == _OK for kind, _ in statuses):
+        return 0, None
     errors = [(rank, detail) for rank, (kind, detail) in enumerate(statuses) if kind == _ERROR]
     if errors:
         if len(errors) == len(statuses) and len({detail for _, detail in errors}) == 1:
