@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         auditor.formats.html.require_matplotlib()
     progress = not args.quiet and sys.stderr.isatty()  # bars in a terminal, never in CI logs
     for target in (args.output, args.certificates):
-        if target is not None:
+        if target is not None and (args.ranks is None or args.ranks.is_root):  # only rank 0 writes them
             check_writable(target)
     domain = auditor.parse_domain(args.domain)  # a typo should not cost a checkpoint load
     resolve_threads(args.threads)  # nor a bad OMP_NUM_THREADS

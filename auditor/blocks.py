@@ -14,6 +14,7 @@ enough that the repeated work stays a few percent.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,6 +149,7 @@ def audit_in_blocks(job: AuditJob, ids: np.ndarray, shard: dict | None, load_sec
     """
     from auditor.workdir import WorkDir
 
+    started = time.perf_counter()
     world = ranks.world_size if ranks is not None else 1
     root = ranks is None or ranks.is_root
     if block_size is None and work_dir is None:  # one block per rank: the fixed work once each
@@ -202,7 +204,9 @@ def audit_in_blocks(job: AuditJob, ids: np.ndarray, shard: dict | None, load_sec
     if folder is not None:
         print(f"audit: work dir {work_dir}: {len(decided)} of {len(blocks)} blocks decided now, "
               f"{len(done)} taken from earlier runs", file=sys.stderr)
-    return merge_parts(job, blocks, {**done, **decided}, ids, shard, load_seconds, world)
+    merged, certificates = merge_parts(job, blocks, {**done, **decided}, ids, shard, load_seconds, world)
+    merged["run"]["wall_s"] = round(time.perf_counter() - started, 3)  # this run's, while timing sums all blocks'
+    return merged, certificates
 
 
 def _claimed(pending: list[int], ranks):

@@ -28,6 +28,7 @@ and the default group is NCCL, so the exchanges get a gloo group of their own
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -80,6 +81,20 @@ class Agreed(Exception):
 
 class Halted(Exception):
     """Another rank failed: this one stopped after its current block."""
+
+
+class LostRanks(Exception):
+    """A meeting itself failed (a rank died, or did not come within --dist-timeout): no further meeting can
+    be held, so each rank says so for itself and exits 2."""
+
+
+@contextlib.contextmanager
+def _meeting():
+    try:
+        yield
+    except Exception as error:
+        raise LostRanks(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__) \
+            from error
 
 
 class Ranks:
@@ -142,7 +157,8 @@ class Ranks:
 
         self.met = 3
         box = [code if self.is_root else None]
-        dist.broadcast_object_list(box, src=0, group=self._group)
+        with _meeting():
+            dist.broadcast_object_list(box, src=0, group=self._group)
         return int(box[0])
 
     def _ready(self, status):
@@ -150,7 +166,8 @@ class Ranks:
 
         self.met = 1
         statuses = [None] * self.world_size
-        dist.all_gather_object(statuses, status, group=self._group)
+        with _meeting():
+            dist.all_gather_object(statuses, status, group=self._group)
         if all(kind == _OK for kind, _ in statuses):
             return statuses[0][1]
         raise Agreed(*_outcome(statuses))
@@ -160,7 +177,8 @@ class Ranks:
 
         self.met = 2
         statuses = [None] * self.world_size if self.is_root else None
-        dist.gather_object(status, statuses, dst=0, group=self._group)
+        with _meeting():
+            dist.gather_object(status, statuses, dst=0, group=self._group)
         return statuses
 
     # -- between meetings: sharing the blocks, and stopping early --------------------------------
@@ -219,6 +237,8 @@ def _conclude(prog: str, run, args, ranks: Ranks) -> int:
     try:
         code = run(args)
         status = (_EXIT, code)
+    except LostRanks as error:
+        return _lost(prog, ranks, error)
     except Agreed as outcome:  # every rank knows: nothing more to meet for
         if ranks.is_root and outcome.message:
             print(f"{prog}: error: {outcome.message}", file=sys.stderr)
@@ -234,7 +254,10 @@ def _conclude(prog: str, run, args, ranks: Ranks) -> int:
         failure = str(error) if isinstance(error, AuditorError) else f"{type(error).__name__}: {error}"
         code, status = EXIT_ERROR, (_ERROR, failure)
         if not isinstance(error, RanksFailed):
-            ranks.raise_flag()  # the others stop after their current block
+            try:
+                ranks.raise_flag()  # the others stop after their current block
+            except Exception:  # the store is gone with rank 0: the meeting below says so
+                pass
     try:
         if ranks.met == 0:  # this rank ended before meeting 1: tell the others there
             ranks._ready(status)
@@ -249,3 +272,10 @@ def _conclude(prog: str, run, args, ranks: Ranks) -> int:
         if ranks.is_root and outcome.message:
             print(f"{prog}: error: {outcome.message}", file=sys.stderr)
         return outcome.code
+    except LostRanks as error:
+        return _lost(prog, ranks, error)
+
+
+def _lost(prog: str, ranks: Ranks, error: LostRanks) -> int:
+    print(f"{prog}: error: rank {ranks.rank}: lost the other ranks ({error}); see --dist-timeout", file=sys.stderr)
+    return EXIT_ERROR

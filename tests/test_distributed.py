@@ -3,7 +3,7 @@
 What may differ from the report of one process, and why (``assert_same_report``):
 
 - ``timing``: the stage times are summed over the blocks (the work done), not one call's.
-- ``run``: it says over how many ``ranks`` and ``blocks`` the audit ran.
+- ``run``: it says over how many ``ranks`` and ``blocks`` the audit ran, and its ``wall_s``.
 - a finding's certificate numbers, ``residual``, ``bias_gap`` and the competitors' ``weight``: the
   engine decides its tokens in batches, and which tokens share a batch changes the rounding of
   the convex weights (``--shard`` has the same property). They agree to rounding, and every
@@ -27,6 +27,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import auditor
+from auditor._cli import main
 from auditor.blocks import merge_certificates, plan_blocks
 from auditor.distributed import _outcome
 
@@ -181,6 +182,15 @@ def test_a_checkpoint_missing_on_one_node_stops_every_rank_with_one_line(planted
     assert not (tmp_path / "report.json").exists()
 
 
+def test_a_rank_whose_partner_never_comes_gives_up_within_the_timeout(tmp_path):
+    started = time.monotonic()
+    alone = rank_process(0, 2, free_port(), DEMO, "--dist-timeout", "2", "--quiet", cwd=tmp_path)
+    out, err = alone.communicate(timeout=LIMIT_S)
+    assert alone.returncode == 2 and out == ""
+    assert err.startswith("audit: error: rank 0: cannot join the other ranks (") and err.count("\n") == 1, err
+    assert time.monotonic() - started < 30
+
+
 def test_a_rank_that_fails_while_deciding_stops_the_others_early(tmp_path):
     """Rank 1's --work-dir is a file on its node: it fails after the ranks met, while rank 0 decides its
     blocks; rank 0 stops after its current block instead of deciding all the blocks of the demo head."""
@@ -211,48 +221,49 @@ def test_ranks_share_a_work_dir_and_a_rerun_decides_nothing(planted, tmp_path):
     assert rerun.returncode == 0, rerun.stderr
     assert rerun.stderr == f"audit: work dir {work}: 0 of 4 blocks decided now, 4 taken from earlier runs\n"
     report, resumed = json.loads(first.read_text()), json.loads(again.read_text())
-    assert resumed["run"] == {**report["run"], "ranks": 1}
+    assert {**resumed["run"], "wall_s": None} == {**report["run"], "ranks": 1, "wall_s": None}
     assert {k: v for k, v in resumed.items() if k not in ("run", "timing")} == \
         {k: v for k, v in report.items() if k not in ("run", "timing")}  # the very same blocks: every number
 
 
-def test_a_killed_audit_resumes_from_its_blocks(tmp_path):
+def test_a_killed_audit_resumes_from_its_blocks(planted, tmp_path):
     work = tmp_path / "work"
-    command = [sys.executable, "-m", "auditor", str(DEMO), "--work-dir", str(work), "--block-size", "400",
-               "--format", "json", "--quiet"]
+    command = [sys.executable, "-m", "auditor", str(planted["path"]), "--work-dir", str(work), "--block-size", "100",
+               "--format", "json", "--certificates", str(tmp_path / "certificates.json"), "--quiet"]
     victim = subprocess.Popen([*command, "--output", str(tmp_path / "never.json")], env=ENV,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + LIMIT_S
     while len(list(work.glob("block-*.json"))) < 2 and victim.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+        time.sleep(0.005)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     kept = len(list(work.glob("block-*.json")))
-    assert 2 <= kept < 11  # 11 blocks of 400 ids in 4005
+    assert 2 <= kept < 15  # 15 blocks of 100 ids in 1500
     resumed = subprocess.run([*command, "--output", str(tmp_path / "resumed.json")], capture_output=True, text=True,
                              env=ENV, timeout=LIMIT_S)
     assert resumed.returncode == 1, resumed.stderr
-    assert f"{11 - kept} of 11 blocks decided now, {kept} taken from earlier runs" in resumed.stderr
-    whole = audit(DEMO, "--format", "json", "--quiet")
-    assert_same_report(json.loads((tmp_path / "resumed.json").read_text()), json.loads(whole.stdout))
+    assert f"{15 - kept} of 15 blocks decided now, {kept} taken from earlier runs" in resumed.stderr
+    assert_same_report(json.loads((tmp_path / "resumed.json").read_text()), planted["report"])
+    assert_same_certificates(tmp_path / "certificates.json", planted["certificates"], planted["weight"])
 
 
-def test_a_work_dir_of_another_head_or_other_settings_is_refused_in_one_line(planted, tmp_path):
+def test_a_work_dir_of_another_head_or_other_settings_is_refused_in_one_line(planted, tmp_path, capsys):
     work = tmp_path / "work"
-    done = audit(DEMO, "--tokens", "0-9", "--work-dir", work, "--quiet")
-    assert done.returncode == 0, done.stderr
-    other_head = audit(planted["path"], "--tokens", "0-9", "--work-dir", work, "--quiet")
-    assert other_head.returncode == 2 and other_head.stdout == ""
-    assert other_head.stderr == (f"audit: error: --work-dir {work}: holds blocks of another head (its weights "
-                                 "differ); give a new folder or empty this one\n")
-    other_domain = audit(DEMO, "--tokens", "0-9", "--work-dir", work, "--domain", "ball:2", "--quiet")
-    assert other_domain.returncode == 2 and other_domain.stderr.count("\n") == 1
-    assert 'domain was "unbounded", now "ball:2"' in other_domain.stderr
+    assert main([str(DEMO), "--tokens", "0-9", "--work-dir", str(work), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main([str(planted["path"]), "--tokens", "0-9", "--work-dir", str(work), "--quiet"]) == 2
+    other_head = capsys.readouterr()
+    assert other_head.out == ""
+    assert other_head.err == (f"audit: error: --work-dir {work}: holds blocks of another head (its weights "
+                              "differ); give a new folder or empty this one\n")
+    assert main([str(DEMO), "--tokens", "0-9", "--work-dir", str(work), "--domain", "ball:2", "--quiet"]) == 2
+    other_domain = capsys.readouterr().err
+    assert other_domain.count("\n") == 1 and 'domain was "unbounded", now "ball:2"' in other_domain
 
 
-def test_html_needs_one_process(tmp_path):
-    done = audit(DEMO, "--work-dir", tmp_path / "work", "--format", "html", "--output", tmp_path / "a.html")
-    assert done.returncode == 2 and "--format html needs the whole audit in one process" in done.stderr
+def test_html_needs_one_process(tmp_path, capsys):
+    assert main([str(DEMO), "--work-dir", str(tmp_path / "work"), "--format", "html"]) == 2
+    assert "--format html needs the whole audit in one process" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()
 
 
