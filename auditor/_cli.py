@@ -14,8 +14,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 import auditor
 from auditor._threads import resolve_threads
 from auditor.errors import AuditorError, InputError
@@ -262,20 +260,14 @@ def run(args: argparse.Namespace) -> int:
     if args.ceiling is not None and not 0 < args.ceiling <= 1:
         raise InputError(f"--ceiling takes a probability in (0, 1], got {args.ceiling}")
     if in_blocks:
-        from auditor.blocks import DEFAULT_BLOCK_SIZE, AuditJob, audit_in_blocks
+        from auditor.blocks import AuditJob, audit_in_blocks
         from auditor.formats import DOCUMENT_FORMATS
-        from auditor.workdir import binding_for
 
         job = AuditJob(head, domain, args.device, args.threads, final_norm, args.ceiling, fail_on, allow, baseline,
+                       allow_path=args.allow, baseline_path=args.baseline,
                        certificates=args.certificates is not None or args.work_dir is not None)
-        binding = None
-        if args.work_dir is not None and (args.ranks is None or args.ranks.is_root):
-            binding = binding_for(head, domain=domain, final_norm=final_norm, ceiling=args.ceiling,
-                                  fail_on=fail_on, allow=args.allow, baseline=args.baseline,
-                                  block_size=args.block_size or DEFAULT_BLOCK_SIZE)
-        ids = np.asarray(tokens if tokens is not None else range(head.shape[0]), dtype=np.int64)
-        merged = audit_in_blocks(job, np.unique(ids), shard, load_seconds, work_dir=args.work_dir, binding=binding,
-                                 block_size=args.block_size, ranks=args.ranks, progress=progress)
+        merged = audit_in_blocks(job, tokens, shard, load_seconds, work_dir=args.work_dir, block_size=args.block_size,
+                                 ranks=args.ranks, progress=progress)
         if merged is None:  # another rank writes the report
             return EXIT_CLEAN
         document, certificates = merged

@@ -19,12 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 import auditor
+from auditor.distributed import Halted
 from auditor.errors import InputError
 from auditor.formats import json_format
 from auditor.gate import Finding, run_gate
 from auditor.merge import merge_reports
+from auditor.workdir import WorkDir
 
 DEFAULT_BLOCK_SIZE = 16384
 
@@ -49,6 +52,8 @@ class AuditJob:
     fail_on: frozenset
     allow: object  # AllowList or None
     baseline: object  # Baseline or None
+    allow_path: Path | None  # the files they were read from: a work folder is bound to their contents
+    baseline_path: Path | None
     certificates: bool  # whether parts carry their certificates
 
 
@@ -137,76 +142,83 @@ def merge_certificates(documents: list[dict]) -> dict:
     return merged
 
 
-def audit_in_blocks(job: AuditJob, ids: np.ndarray, shard: dict | None, load_seconds: float, *,
-                    work_dir: Path | None = None, binding=None, block_size: int | None = None, ranks=None,
+def audit_in_blocks(job: AuditJob, tokens: list[int] | None, shard: dict | None, load_seconds: float, *,
+                    work_dir: Path | None = None, block_size: int | None = None, ranks=None,
                     progress: bool = False) -> tuple[dict, dict | None] | None:
-    """Decide ``ids`` block by block, on this process or over ``ranks``; the merged report and certificates
-    document on rank 0 (None on the other ranks, which write nothing).
+    """Decide ``tokens`` (None: every id) block by block, on this process or over ``ranks``; the merged report
+    and certificates document on rank 0 (None on the other ranks, which write nothing).
 
-    With ``work_dir`` (bound to ``binding``) blocks already there are taken as they are and each block
-    decided is written there as soon as it is. Under torchrun the ranks claim the blocks one at a time
-    from a counter in the rendezvous store.
+    With ``work_dir`` blocks already there are taken as they are and each block decided is written there
+    as soon as it is. Under torchrun the ranks claim the blocks one at a time from a counter in the
+    rendezvous store. Raises InputError for a work folder of another audit.
     """
-    from auditor.workdir import WorkDir
-
     started = time.perf_counter()
+    ids = np.unique(np.asarray(tokens if tokens is not None else range(job.head.shape[0]), dtype=np.int64))
     world = ranks.world_size if ranks is not None else 1
     root = ranks is None or ranks.is_root
-    if block_size is None and work_dir is None:  # one block per rank: the fixed work once each
+    if block_size is None and work_dir is None:  # one block per rank: the fixed work once on each
         span = int(ids[-1]) - int(ids[0]) + 1
         blocks = plan_blocks(ids, -(-span // world), origin=int(ids[0]))
     else:
         blocks = plan_blocks(ids, block_size or DEFAULT_BLOCK_SIZE)
     folder = WorkDir(work_dir) if work_dir is not None else None
-    done: dict[int, dict] = {}
-    plan = None
-    if root:
-        if folder is not None:
-            folder.bind(binding)
-            folder.remove_stale_temporaries()
-            for j, block in enumerate(blocks):
-                part = folder.load(block.first, block.stop, block.ids)
-                if part is not None and (part.get("certificates") is not None or not job.certificates):
-                    done[j] = part
-        plan = {"pending": [j for j in range(len(blocks)) if j not in done],
-                "key": folder.key if folder is not None else None}
+    done, plan = _taken_from(folder, job, blocks, block_size or DEFAULT_BLOCK_SIZE) if root else ({}, None)
     if ranks is not None:
-        plan = ranks.ready(plan)
+        plan = ranks.ready(plan)  # rank 0's list of the blocks to decide, the same on every rank
         if folder is not None and not root:
             folder.prepare(plan["key"])
-    pending = plan["pending"]
-
-    mine: dict[int, dict] = {}
-    from tqdm import tqdm
-
-    with tqdm(total=len(pending), desc="blocks", file=sys.stderr, disable=not (progress and root), leave=False,
-              unit="block") as bar:
-        for j in _claimed(pending, ranks):
-            if ranks is not None and ranks.halted():
-                from auditor.distributed import Halted
-
-                raise Halted()
-            block = blocks[j]
-            mine[j] = decide_part(job, block.ids)
-            if folder is not None:
-                folder.save(block.first, block.stop, block.ids, mine[j])
-            bar.update(1)
-    decided = mine
+    decided = _decide(job, blocks, plan["pending"], folder, ranks, progress and root)
     if ranks is not None:
-        gathered = ranks.collect(mine)
+        gathered = ranks.collect(decided)
         if gathered is None:
             return None
-        decided = {j: part for parts in gathered for j, part in parts.items()}
+        mine, decided = decided, {j: part for parts in gathered for j, part in parts.items()}
         if folder is not None:  # a rank on a node that does not share the folder wrote its blocks elsewhere
-            for j, part in decided.items():
-                if j not in mine and not folder.block_path(blocks[j].first, blocks[j].stop).exists():
-                    folder.save(blocks[j].first, blocks[j].stop, blocks[j].ids, part)
+            for j in decided.keys() - mine.keys():
+                if not folder.block_path(blocks[j].first, blocks[j].stop).exists():
+                    folder.save(blocks[j].first, blocks[j].stop, blocks[j].ids, decided[j])
     if folder is not None:
         print(f"audit: work dir {work_dir}: {len(decided)} of {len(blocks)} blocks decided now, "
               f"{len(done)} taken from earlier runs", file=sys.stderr)
     merged, certificates = merge_parts(job, blocks, {**done, **decided}, ids, shard, load_seconds, world)
     merged["run"]["wall_s"] = round(time.perf_counter() - started, 3)  # this run's, while timing sums all blocks'
     return merged, certificates
+
+
+def _taken_from(folder, job: AuditJob, blocks: list[Block], block_size: int) -> tuple[dict[int, dict], dict]:
+    """Rank 0: the parts a work folder already holds, and the plan: the blocks still to decide, and the
+    folder's key for the other ranks. Raises InputError for a folder of another audit."""
+    from auditor.workdir import binding_for
+
+    done: dict[int, dict] = {}
+    if folder is not None:
+        folder.bind(binding_for(job.head, domain=job.domain, final_norm=job.final_norm, ceiling=job.ceiling,
+                                fail_on=job.fail_on, allow=job.allow_path, baseline=job.baseline_path,
+                                block_size=block_size))
+        folder.remove_stale_temporaries()
+        for j, block in enumerate(blocks):
+            part = folder.load(block.first, block.stop, block.ids)
+            if part is not None and (part.get("certificates") is not None or not job.certificates):
+                done[j] = part
+    plan = {"pending": [j for j in range(len(blocks)) if j not in done],
+            "key": folder.key if folder is not None else None}
+    return done, plan
+
+
+def _decide(job: AuditJob, blocks: list[Block], pending: list[int], folder, ranks, progress: bool) -> dict[int, dict]:
+    """The parts of the pending blocks this process decides, each saved to the folder as soon as decided."""
+    decided: dict[int, dict] = {}
+    with tqdm(total=len(pending), desc="blocks", file=sys.stderr, disable=not progress, leave=False,
+              unit="block") as bar:
+        for j in _claimed(pending, ranks):
+            if ranks is not None and ranks.halted():
+                raise Halted()
+            block = blocks[j]
+            decided[j] = decide_part(job, block.ids)
+            if folder is not None:
+                folder.save(block.first, block.stop, block.ids, decided[j])
+            bar.update(1)
+    return decided
 
 
 def _claimed(pending: list[int], ranks):
