@@ -127,8 +127,8 @@ def merge_certificates(documents: list[dict]) -> dict:
     for document in documents[1:]:
         for key in _CERTIFICATE_SAME:
             if document.get(key) != first.get(key):
-                raise InputError(f"the blocks' certificates differ in {key!r}: they are not of one audit "
-                                 "(decided on another device or thread count?); decide them again")
+                raise InputError(f"the blocks' certificates differ in {key!r}, so they cannot make one "
+                                 "certificates file; empty the work folder and run again")
     merged = dict(first)
     merged["tokens"] = sorted((t for d in documents for t in d["tokens"]), key=lambda t: t["id"])
     counts = {name: sum(d["counts"][name] for d in documents) for name in first["counts"] if name != "undecided"}
@@ -188,13 +188,14 @@ def audit_in_blocks(job: AuditJob, tokens: list[int] | None, shard: dict | None,
 def _taken_from(folder, job: AuditJob, blocks: list[Block], block_size: int) -> tuple[dict[int, dict], dict]:
     """Rank 0: the parts a work folder already holds, and the plan: the blocks still to decide, and the
     folder's key for the other ranks. Raises InputError for a folder of another audit."""
+    from auditor._input import resolve_device
     from auditor.workdir import binding_for
 
     done: dict[int, dict] = {}
     if folder is not None:
         folder.bind(binding_for(job.head, domain=job.domain, final_norm=job.final_norm, ceiling=job.ceiling,
                                 fail_on=job.fail_on, allow=job.allow_path, baseline=job.baseline_path,
-                                block_size=block_size))
+                                block_size=block_size, device=resolve_device(job.device).type))
         folder.remove_stale_temporaries()
         for j, block in enumerate(blocks):
             part = folder.load(block.first, block.stop, block.ids)

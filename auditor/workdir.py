@@ -180,9 +180,11 @@ def _ids_digest(ids) -> dict:
 
 
 def binding_for(head, *, domain, final_norm, ceiling: float | None, fail_on, allow: Path | None,
-                baseline: Path | None, block_size: int) -> Binding:
+                baseline: Path | None, block_size: int, device: str) -> Binding:
     """The binding of a work folder to this audit: the head's bytes, and every setting that can change a
-    block's part of the report (the verdicts, the findings' marks, the token strings shown)."""
+    block's part of the report (the verdicts, the findings' marks, the token strings shown). ``device``
+    is the kind of device ("cpu", "cuda"): the blocks share the centre and tolerances the engine computes
+    on the whole head, which one device may round differently from another."""
     from auditor import __version__
     from auditor.baseline import vocabulary_fingerprint
 
@@ -199,6 +201,7 @@ def binding_for(head, *, domain, final_norm, ceiling: float | None, fail_on, all
         "allow": file_fingerprint(allow),
         "baseline": file_fingerprint(baseline),
         "block_size": block_size,
+        "device": device,
         "token_strings": vocabulary_fingerprint(head),
     }
     return Binding(head_fingerprint(head), settings)
