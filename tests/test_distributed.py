@@ -283,6 +283,22 @@ def test_rank_0_says_which_rank_failed_and_says_a_common_error_once():
     assert _outcome([("exit", 0), ok])[0] == 2
 
 
+def test_the_head_fingerprint_sees_one_bit_in_any_array_and_dtype():
+    import torch
+
+    from auditor.head import Head
+    from auditor.workdir import head_fingerprint
+
+    weight = torch.arange(24, dtype=torch.float32).reshape(6, 4).to(torch.bfloat16)
+    flipped = weight.clone()
+    flipped.view(torch.int16)[5, 3] ^= 1
+    fingerprints = {head_fingerprint(Head(weight=weight)), head_fingerprint(Head(weight=flipped)),
+                    head_fingerprint(Head(weight=weight.float())),
+                    head_fingerprint(Head(weight=weight, bias=np.zeros(6, dtype=np.float32)))}
+    assert len(fingerprints) == 4
+    assert head_fingerprint(Head(weight=weight.float().numpy())) == head_fingerprint(Head(weight=weight.float().numpy()))
+
+
 def test_merged_certificates_list_every_token_once_with_counts_summed():
     def part(tokens, undecided):
         counts = {"argmaxable": sum(t["verdict"] == "argmaxable" for t in tokens),
