@@ -261,6 +261,19 @@ def test_a_work_dir_of_another_head_or_other_settings_is_refused_in_one_line(pla
     assert other_domain.count("\n") == 1 and 'domain was "unbounded", now "ball:2"' in other_domain
 
 
+def test_stale_allow_list_entries_are_warned_about_as_in_one_process(tmp_path, capsys):
+    """A block that does not hold an allowed id cannot tell whether it is stale; the whole run can."""
+    seed = ROOT / "fixtures" / "seed_2d.safetensors"
+    allow = tmp_path / "allow.txt"
+    allow.write_text("0\n4\n")  # 0 is argmaxable (stale), 4 is the finding
+    reports = []
+    for extra in ([], ["--work-dir", str(tmp_path / "work"), "--block-size", "2"]):
+        assert main([str(seed), "--allow", str(allow), "--format", "json", "--quiet", *extra]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    assert reports[1]["run"]["blocks"] > 1
+    assert reports[1]["warnings"] == reports[0]["warnings"] == ["allow-list entry 0 matches no finding"]
+
+
 def test_html_needs_one_process(tmp_path, capsys):
     assert main([str(DEMO), "--work-dir", str(tmp_path / "work"), "--format", "html"]) == 2
     assert "--format html needs the whole audit in one process" in capsys.readouterr().err
