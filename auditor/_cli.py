@@ -19,7 +19,8 @@ from auditor._threads import resolve_threads
 from auditor.errors import AuditorError, InputError
 from auditor.formats import FORMATS
 from auditor.baseline import Baseline
-from auditor.gate import EXIT_ERROR, AllowList, parse_fail_on, run_gate
+from auditor.distributed import DEFAULT_TIMEOUT_S, Launch
+from auditor.gate import EXIT_CLEAN, EXIT_ERROR, EXIT_FINDINGS, AllowList, parse_fail_on, run_gate
 
 
 _EPILOG = """\
@@ -44,6 +45,10 @@ examples:
   # four shards (on four machines, or one after another), then one report
   audit model/ --shard 1/4 --format json --output part1.json    # ... 2/4, 3/4, 4/4
   audit-merge part1.json part2.json part3.json part4.json --format markdown
+  # a resumable audit: rerun the same command after a stop and the decided blocks are kept
+  audit model/ --work-dir audit-work/ --format json --output report.json
+  # over 8 processes on one node (each on its own GPU when there are GPUs), one report
+  torchrun --nproc-per-node 8 -m auditor model/ --format json --output report.json
 """
 
 
@@ -77,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shard", metavar="I/N",
                         help="decide only the I-th of N equal contiguous parts of the vocabulary (1 <= I <= N); "
                              "merge the shards' JSON reports with audit-merge")
+    parser.add_argument("--work-dir", type=Path, metavar="DIR",
+                        help="keep each decided block of tokens in DIR, so that the same command run again after a "
+                             "stop resumes (the folder is bound to this head and these settings)")
+    parser.add_argument("--block-size", type=_positive_int, metavar="N",
+                        help="token ids per block with --work-dir or under torchrun (default: 16384 with "
+                             "--work-dir; under torchrun without it, one block per rank)")
+    parser.add_argument("--dist-timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                        help="under torchrun: how long a rank waits for the others (default: "
+                             f"{DEFAULT_TIMEOUT_S:g}); more than one block takes")
     parser.add_argument("--format", choices=sorted(FORMATS), default="text", help="report format (default: text)")
     parser.add_argument("--output", type=Path, metavar="FILE", help="write the report to FILE (atomically) instead of stdout")
     parser.add_argument("--fail-on", default="unargmaxable,tied,inconclusive,low-ceiling", metavar="VERDICTS",
@@ -91,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quiet", action="store_true", help="no progress bars (they show only when stderr is a terminal)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     parser.add_argument("--version", action="version", version=f"auditor {auditor.__version__}")
+    parser.set_defaults(ranks=None)  # under torchrun: this process's auditor.distributed.Ranks
     return parser
 
 
@@ -107,6 +122,19 @@ def _thread_count(text: str) -> int:
     if count < 1:
         raise argparse.ArgumentTypeError(f"takes a positive integer, got {text!r}")
     return count
+
+
+_positive_int = _thread_count
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"takes a positive number of seconds, got {text!r}")
+    return seconds
 
 
 def parse_token_ids(text: str, n: int) -> list[int]:
@@ -197,11 +225,15 @@ def run(args: argparse.Namespace) -> int:
     if args.list_tensors:
         sys.stdout.write(_list_tensors(args.path))
         return 0
+    in_blocks = args.work_dir is not None or args.ranks is not None
     if args.format == "html":  # its plots need matplotlib: say so before the audit, not after
+        if in_blocks:  # its plots need every token's margin, which the blocks' reports do not carry
+            raise InputError("--format html needs the whole audit in one process: with --work-dir or under "
+                             "torchrun write --format json, text or markdown")
         auditor.formats.html.require_matplotlib()
     progress = not args.quiet and sys.stderr.isatty()  # bars in a terminal, never in CI logs
     for target in (args.output, args.certificates):
-        if target is not None:
+        if target is not None and (args.ranks is None or args.ranks.is_root):  # only rank 0 writes them
             check_writable(target)
     domain = auditor.parse_domain(args.domain)  # a typo should not cost a checkpoint load
     resolve_threads(args.threads)  # nor a bad OMP_NUM_THREADS
@@ -233,25 +265,46 @@ def run(args: argparse.Namespace) -> int:
             final_norm.unit_offset = True
     if args.ceiling is not None and not 0 < args.ceiling <= 1:
         raise InputError(f"--ceiling takes a probability in (0, 1], got {args.ceiling}")
-    report = auditor.audit(head.audited, head.bias, domain=domain, device=args.device, tokens=tokens,
-                           progress=progress, final_norm=final_norm, probability_ceiling=args.ceiling is not None,
-                           threads=args.threads)
-    result = run_gate(head, report, fail_on, allow, load_seconds, args.ceiling, baseline)
-    for warning in result.warnings:
+    if in_blocks:
+        from auditor.blocks import AuditJob, audit_in_blocks
+        from auditor.formats import DOCUMENT_FORMATS
+
+        job = AuditJob(head, domain, args.device, args.threads, final_norm, args.ceiling, fail_on, allow, baseline,
+                       allow_path=args.allow, baseline_path=args.baseline,
+                       certificates=args.certificates is not None or args.work_dir is not None)
+        merged = audit_in_blocks(job, tokens, shard, load_seconds, work_dir=args.work_dir, block_size=args.block_size,
+                                 ranks=args.ranks, progress=progress)
+        if merged is None:  # another rank writes the report
+            return EXIT_CLEAN
+        document, certificates = merged
+        warnings, rendered = document["warnings"], DOCUMENT_FORMATS[args.format](document)
+        exit_code = EXIT_FINDINGS if document["summary"]["failing"] else EXIT_CLEAN
+    else:
+        report = auditor.audit(head.audited, head.bias, domain=domain, device=args.device, tokens=tokens,
+                               progress=progress, final_norm=final_norm, probability_ceiling=args.ceiling is not None,
+                               threads=args.threads)
+        result = run_gate(head, report, fail_on, allow, load_seconds, args.ceiling, baseline)
+        result.shard = shard
+        warnings, rendered, exit_code = result.warnings, FORMATS[args.format](result), result.exit_code
+        certificates = certificates_document(head, report) if args.certificates else None
+    for warning in warnings:
         print(f"audit: warning: {warning}", file=sys.stderr)
-    result.shard = shard
-    rendered = FORMATS[args.format](result)
     files: dict[Path, str] = {}
     if args.certificates:
-        document = report.to_dict()
-        document["head"].update(path=str(head.path), weight_tensor=head.weight_name, bias_tensor=head.bias_name)
-        files[args.certificates] = json.dumps(document, allow_nan=False) + "\n"
+        files[args.certificates] = json.dumps(certificates, allow_nan=False) + "\n"
     if args.output:
         files[args.output] = rendered
     write_atomically(files)
     if not args.output:
         sys.stdout.write(rendered)
-    return result.exit_code
+    return exit_code
+
+
+def certificates_document(head, report) -> dict:
+    """The certificates file's document: the report's certificates, with where the head came from."""
+    document = report.to_dict()
+    document["head"].update(path=str(head.path), weight_tensor=head.weight_name, bias_tensor=head.bias_name)
+    return document
 
 
 def guarded(prog: str, run, args: argparse.Namespace) -> int:
@@ -275,4 +328,9 @@ def guarded(prog: str, run, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return guarded("audit", run, build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    if Launch.from_environment() is not None:  # a rank of a torchrun launch: one audit over all ranks
+        from auditor.distributed import run_on_ranks
+
+        return run_on_ranks("audit", run, args)
+    return guarded("audit", run, args)
