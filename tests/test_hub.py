@@ -14,6 +14,7 @@ from urllib.parse import unquote
 
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import save
 
 # Never the real Hub: should this module be the first to import huggingface_hub, its default endpoint is a
@@ -215,7 +216,10 @@ def test_offline_and_not_cached_is_one_line(cached, capsys):
 def test_offline_environment_variables_are_honoured_in_a_fresh_process(cached, tmp_path, capsys):
     _, direct, _ = run_audit(capsys, cached)
     env = {**os.environ, "HF_HUB_CACHE": huggingface_hub.constants.HF_HUB_CACHE, "HF_HUB_OFFLINE": "1",
-           "HF_HOME": str(tmp_path / "hf-home"), "HF_ENDPOINT": "http://127.0.0.1:9", "OMP_NUM_THREADS": "1"}
+           "HF_HOME": str(tmp_path / "hf-home"), "HF_ENDPOINT": "http://127.0.0.1:9",
+           # the thread count of this process: float sums are grouped by thread, and the certificates' last
+           # digits with them
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}
     env.pop("HF_TOKEN", None)
     done = subprocess.run([sys.executable, "-m", "auditor", REPO, "--format", "json", "--quiet"],
                           capture_output=True, text=True, env=env)
@@ -362,7 +366,7 @@ def test_a_sharded_model_fetches_only_the_shard_holding_the_head(fake_hub, local
 def test_hf_endpoint_and_cache_in_the_environment_are_honoured_in_a_fresh_process(fake_hub, local_sharded,
                                                                                    tmp_path, capsys):
     env = {**os.environ, "HF_ENDPOINT": fake_hub.endpoint, "HF_HUB_CACHE": str(tmp_path / "fresh-cache"),
-           "HF_HOME": str(tmp_path / "hf-home"), "OMP_NUM_THREADS": "1"}
+           "HF_HOME": str(tmp_path / "hf-home"), "OMP_NUM_THREADS": str(torch.get_num_threads())}  # as above
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
         env.pop(name, None)
     done = subprocess.run([sys.executable, "-m", "auditor", REPO, "--format", "json", "--quiet"],
