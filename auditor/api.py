@@ -49,7 +49,9 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     point that attains the lower bound. ``residual_tol`` is the relative
     residual an unargmaxable certificate may rest on (see docs/method.md);
     ``frank_wolfe_iterations``, ``newton_iterations`` and ``lp_rounds`` bound
-    the work of those stages (0 skips one).
+    the work of those stages (0 skips one; the dual Frank-Wolfe of biased heads
+    and bounded domains runs four times ``frank_wolfe_iterations``, most of them
+    on a working set of rivals).
 
     ``threads`` caps the CPU threads torch uses during the call (the previous
     setting is restored afterwards); None takes OMP_NUM_THREADS when it is set,

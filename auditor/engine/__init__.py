@@ -4,8 +4,9 @@
 2. screen    one Gram pass checks z = s (w_k - t c) for every token
 3. interior  a closed-form convex combination for rows deep inside the hull
 4. frank-wolfe  batched pairwise Frank-Wolfe on the min-norm problem (no bias), or on
-             the ball's dual r ||w_k - sum alpha_i w_i|| + sum alpha_i (b_k - b_i) (balls,
-             the norm domain included, with or without a bias)
+             the domain's dual r ||w_k - sum alpha_i w_i|| + sum alpha_i (b_k - b_i) (balls,
+             the norm domain included, and boxes with the l1 norm, with a bias; the
+             unbounded domain with a bias on a ladder of large balls)
 5. newton    maximum-entropy convex combinations by Newton's method (no bias)
 6. lp        constraint generation with cvxpy for whatever is left
 7. whatever no stage proved is ``inconclusive``, with the bounds found
