@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -45,16 +46,24 @@ def _read(path: Path) -> dict:
     return document
 
 
-def _in_every(lists) -> list[str]:
-    """The lines every shard has, in the first shard's order.
+def _merged_warnings(lists, found: set[int]) -> list[str]:
+    """The warnings of the whole run, in the shards' order.
 
-    Warnings are claims about the whole run, such as "allow-list entry 4004 matches no finding": a
-    shard that does not hold token 4004 says so even when another shard reports it, so a warning
-    stands only when no shard contradicts it."""
+    A warning about an allow-listed id ("allow-list entry 4004 matches no finding") comes from the
+    shard that decided 4004 (the others leave it undecided and say nothing), so one shard saying it
+    is enough, unless some shard reports 4004 (``found``: the ids of all findings). Every other
+    warning is a claim about the whole run, such as "allow-list entry "<pad>" matches no finding",
+    which a shard makes about its own findings only: it stands when every shard makes it."""
     lists = [list(lines) for lines in lists]
-    return [line for line in dict.fromkeys(lists[0]) if all(line in lines for lines in lists[1:])]
+    merged = []
+    for line in dict.fromkeys(line for shard in lists for line in shard):
+        about_id = _ID_WARNING.fullmatch(line)
+        if about_id and int(about_id.group(1)) not in found or not about_id and all(line in s for s in lists):
+            merged.append(line)
+    return merged
 
 
+_ID_WARNING = re.compile(r"allow-list entry (\d+) matches no finding")
 _BASELINE_COUNTS = ("new", "unchanged")  # per shard, so summed
 
 
@@ -119,7 +128,7 @@ def merge_reports(documents: list[dict], names: list[str] | None = None) -> dict
     merged.update(shard=None, summary=summary, findings=findings,
                   summaries=summary_lines(findings, first["domain"]),  # groups that straddle shards, whole
                   baseline=_merge_baselines(documents, names),
-                  warnings=_in_every(d.get("warnings", []) for d in documents),
+                  warnings=_merged_warnings((d.get("warnings", []) for d in documents), {f["id"] for f in findings}),
                   notes=first.get("notes", []), timing=timing, merged_from=count)
     return merged
 

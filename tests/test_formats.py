@@ -205,13 +205,14 @@ def _shard(index, findings, **fields):
     return doc
 
 
-def test_merge_summarises_groups_that_straddle_shards_and_keeps_warnings_all_shards_give_and_one_baseline():
+def test_merge_summarises_groups_that_straddle_shards_and_keeps_the_run_s_warnings_and_one_baseline():
     base = {"path": "base.json", "n_tokens": 5000}
     mean = {"kind": "mean"}
     first = _shard(1, [finding(7, "unargmaxable", baseline="new", kind="hull"),
                        finding(2498, "unargmaxable", **mean), finding(2499, "unargmaxable", **mean)],
                    summaries=["stale: shard 1 alone"],
-                   warnings=["allow-list entry 3000 matches no finding", "allow-list entry 9999 is not a token id"],
+                   warnings=["allow-list entry 3000 matches no finding", "allow-list entry 9999 is not a token id",
+                             "allow-list entry 12 matches no finding", 'allow-list entry "<pad>" matches no finding'],
                    baseline={**base, "new": 1, "unchanged": 0, "fixed": [{"id": 5, "token": None, "verdict": "tied"}]})
     second = _shard(2, [finding(2500, "unargmaxable", **mean),
                         finding(3000, "tied", baseline="unchanged", kind="copy")],
@@ -224,7 +225,9 @@ def test_merge_summarises_groups_that_straddle_shards_and_keeps_warnings_all_sha
         "3 rows at the mean of all rows: 2498–2500, typical of a vocabulary resized with mean initialisation",
         "1 row in 1 group of identical rows (3000 = 3001): copies tie, so none of them is ever the strict top "
         "prediction"]
-    assert merged["warnings"] == ["allow-list entry 9999 is not a token id"]  # shard 2 reports token 3000
+    # shard 2 reports token 3000; only shard 1 decided id 12 (shard 2 does not warn about ids it leaves
+    # undecided); a token string is stale only when no shard's findings have it
+    assert merged["warnings"] == ["allow-list entry 9999 is not a token id", "allow-list entry 12 matches no finding"]
     assert merged["baseline"] == {**base, "new": 1, "unchanged": 1,
                                   "fixed": [{"id": 5, "token": None, "verdict": "tied"},
                                             {"id": 2600, "token": None, "verdict": "unargmaxable"}]}
