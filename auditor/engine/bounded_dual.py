@@ -147,10 +147,11 @@ class _BoxNorm:
 
     def line_search(self, x, u, c, limit, mu):
         """argmin over [0, limit] of the smoothed r ||x - g u||_1 + c g: bisection on its derivative,
-        which is increasing (the function is convex); 60 halvings leave an interval of 2^-60 limit."""
+        which is increasing (the function is convex); _HALVINGS halvings leave an interval of 2^-30 limit
+        (the step is a proposal: only the certificates it leads to are checked)."""
         low, high = torch.zeros_like(limit), limit.clone()
         m2 = (mu * mu)[:, None]
-        for _ in range(60):
+        for _ in range(_HALVINGS):
             g = (low + high) / 2
             y = x - g[:, None] * u
             smooth = torch.sqrt(y * y + m2)
@@ -202,6 +203,7 @@ class _WorkingSet:
 
 # mu starts at 1% of the first ||x||, shrinks by 16 at each closed gap, and is 0 below 1e-6 of its start
 _MU_START, _SHARPEN, _MU_FLOOR = 0.01, 16.0, 1e-6
+_HALVINGS = 30
 _FULL_EVERY = 8  # iterations between full evaluations of a token that asked for none
 _LEADERS = 16  # rivals per token added to the working set at each full evaluation
 
