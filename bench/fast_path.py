@@ -1,6 +1,6 @@
 """Bounded-domain and biased audits against the unbounded audit, and the invariance repros, in one run.
 
-    python bench/fast_path.py [--device cpu|cuda] [--threads N] [--embeddings FILE] [--skip-ceilings] [--json]
+    python bench/fast_path.py [--device cpu|cuda] [--threads N] [--embeddings FILE] [--skip-ceilings] [--other-biased] [--json]
 
 On the real 30522 x 384 all-MiniLM-L6-v2 head with three mean-initialised rows
 appended (as bench/norm_domain.py), each audit is timed (wall clock and
@@ -11,6 +11,7 @@ report.timings per stage) and compared with the unbounded audit of the same run:
       shift 0.05 N(0, 1), eps 1e-12, seed 8);                        target <= 1.5x (a)
   (c) ball:8 with the bias 0.25 N(0, 1) (seed 9);                    target <= 2x (a)
   (d) (b) with probability_ceiling=True for every token;             target <= 3x (a)
+  (f), (g) with --other-biased: the bias of (c) in the unbounded domain and in box:0.4;
   (e) invariance repros on small heads, a few seeds each: the verdicts of a head and
       its transformed twin must be identical, with no inconclusive token.
 
@@ -150,6 +151,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--embeddings", help="a .safetensors file with the matrix as 'weight'")
     parser.add_argument("--skip-ceilings", action="store_true")
+    parser.add_argument("--other-biased", action="store_true",
+                        help="also (f) unbounded and (g) box:0.4 with the bias of (c) (no target; box takes ~40 s)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of all figures")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -170,6 +173,9 @@ def main() -> None:
     if not args.skip_ceilings:
         runs.append(("ceilings", "(d) norm + probability ceilings", None,
                      {"domain": "norm", "final_norm": norm, "probability_ceiling": True}))
+    if args.other_biased:
+        runs += [("biased_unbounded", "(f) unbounded, bias of (c)", bias, {}),
+                 ("biased_box", "(g) box:0.4, bias of (c)", bias, {"domain": "box:0.4"})]
     reference = None
     for name, title, b, options in runs:
         report, wall = timed_audit(head, b, device=args.device, **options)
