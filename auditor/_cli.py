@@ -223,7 +223,9 @@ def run(args: argparse.Namespace) -> int:
     from auditor.loader import load_head
 
     if args.list_tensors:
-        sys.stdout.write(_list_tensors(args.path))
+        listing = _list_tensors(args.path)
+        if args.ranks is None or args.ranks.is_root:  # under torchrun, once
+            sys.stdout.write(listing)
         return 0
     in_blocks = args.work_dir is not None or args.ranks is not None
     if args.format == "html":  # its plots need matplotlib: say so before the audit, not after

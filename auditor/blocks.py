@@ -165,8 +165,8 @@ def audit_in_blocks(job: AuditJob, tokens: list[int] | None, shard: dict | None,
         blocks = plan_blocks(ids, block_size or DEFAULT_BLOCK_SIZE)
     folder = WorkDir(work_dir) if work_dir is not None else None
     done, plan = _taken_from(folder, job, blocks, block_size or DEFAULT_BLOCK_SIZE) if root else ({}, None)
-    if ranks is not None:
-        plan = ranks.ready(plan)  # rank 0's list of the blocks to decide, the same on every rank
+    if ranks is not None:  # rank 0's list of the blocks to decide, once every rank holds the same head
+        plan = ranks.ready(plan, _binding(job, block_size).key)
         if folder is not None and not root:
             folder.prepare(plan["key"])
     decided = _decide(job, blocks, plan["pending"], folder, ranks, progress and root)
@@ -187,17 +187,23 @@ def audit_in_blocks(job: AuditJob, tokens: list[int] | None, shard: dict | None,
     return merged, certificates
 
 
-def _taken_from(folder, job: AuditJob, blocks: list[Block], block_size: int) -> tuple[dict[int, dict], dict]:
-    """Rank 0: the parts a work folder already holds, and the plan: the blocks still to decide, and the
-    folder's key for the other ranks. Raises InputError for a folder of another audit."""
+def _binding(job: AuditJob, block_size: int | None):
+    """The head's fingerprint and every setting that shapes a block's report (workdir.binding_for)."""
     from auditor._input import resolve_device
     from auditor.workdir import binding_for
 
+    return binding_for(job.head, domain=job.domain, final_norm=job.final_norm, ceiling=job.ceiling,
+                       fail_on=job.fail_on, allow=job.allow_path, baseline=job.baseline_path,
+                       block_size=block_size or DEFAULT_BLOCK_SIZE, device=resolve_device(job.device).type)
+
+
+def _taken_from(folder, job: AuditJob, blocks: list[Block], block_size: int) -> tuple[dict[int, dict], dict]:
+    """Rank 0: the parts a work folder already holds, and the plan: the blocks still to decide, and the
+    folder's key for the other ranks. Raises InputError for a folder of another audit."""
+
     done: dict[int, dict] = {}
     if folder is not None:
-        folder.bind(binding_for(job.head, domain=job.domain, final_norm=job.final_norm, ceiling=job.ceiling,
-                                fail_on=job.fail_on, allow=job.allow_path, baseline=job.baseline_path,
-                                block_size=block_size, device=resolve_device(job.device).type))
+        folder.bind(_binding(job, block_size))
         folder.remove_stale_temporaries()
         for j, block in enumerate(blocks):
             part = folder.load(block.first, block.stop, block.ids)

@@ -135,10 +135,16 @@ class Ranks:
 
     # -- the three meetings ----------------------------------------------------------------------
 
-    def ready(self, plan=None):
+    def ready(self, plan=None, identity: str | None = None):
         """Meeting 1, on the way to deciding: returns rank 0's ``plan``; raises Agreed on every rank when
-        any rank failed before it."""
-        return self._ready((_OK, plan))
+        any rank failed before it, or when a rank's ``identity`` (a digest of the head it loaded and of its
+        settings) is not rank 0's: ranks on nodes that hold different files must not merge their halves."""
+        payloads = self._ready((_OK, (plan, identity)))
+        for rank, (_, theirs) in enumerate(payloads):
+            if theirs != payloads[0][1]:
+                raise Agreed(EXIT_ERROR, f"rank {rank}: it loaded another head (or the same from another path), or read other settings, than "
+                                         "rank 0 (every node must hold the same checkpoint and files)")
+        return payloads[0][0]
 
     def collect(self, parts):
         """Meeting 2, the work done: rank 0 gets every rank's ``parts`` as a list (others get None). Rank 0
@@ -169,7 +175,7 @@ class Ranks:
         with _meeting():
             dist.all_gather_object(statuses, status, group=self._group)
         if all(kind == _OK for kind, _ in statuses):
-            return statuses[0][1]
+            return [payload for _, payload in statuses]
         raise Agreed(*_outcome(statuses))
 
     def _collect(self, status):

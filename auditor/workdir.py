@@ -127,12 +127,10 @@ class WorkDir:
             raise InputError(f"--work-dir {self.path}: holds blocks of another head (its weights differ); "
                              "give a new folder or empty this one")
         settings = document.get("settings") or {}
-        for name in sorted(set(settings) | set(binding.settings)):
-            before, now = settings.get(name), binding.settings.get(name)
-            if before != now:
-                raise InputError(f"--work-dir {self.path}: holds blocks of an audit with other settings "
-                                 f"({name} was {json.dumps(before)}, now {json.dumps(now)}); "
-                                 "give a new folder or empty this one")
+        for name, before, now in _differences(settings, binding.settings):
+            raise InputError(f"--work-dir {self.path}: holds blocks of an audit with other settings "
+                             f"({name} was {json.dumps(before)}, now {json.dumps(now)}); "
+                             "give a new folder or empty this one")
 
     def prepare(self, key: str) -> None:
         """A rank other than 0 takes rank 0's key and makes sure the folder is there (on a node that does not
@@ -173,6 +171,16 @@ class WorkDir:
             temporary.unlink(missing_ok=True)
 
 
+def _differences(before: dict, now: dict, prefix: str = ""):
+    """(dotted name, before, now) of every setting that differs, nested dicts entered (``head.final_norm.eps``)."""
+    for name in sorted(set(before) | set(now)):
+        old, new = before.get(name), now.get(name)
+        if isinstance(old, dict) and isinstance(new, dict):
+            yield from _differences(old, new, f"{prefix}{name}.")
+        elif old != new:
+            yield f"{prefix}{name}", old, new
+
+
 def _ids_digest(ids) -> dict:
     ids = np.asarray(ids, dtype=np.int64)
     return {"count": int(ids.size), "sha256": hashlib.sha256(ids.tobytes()).hexdigest()}
@@ -186,6 +194,7 @@ def binding_for(head, *, domain, final_norm, ceiling: float | None, fail_on, all
     on the whole head, which one device may round differently from another."""
     from auditor import __version__
     from auditor.baseline import vocabulary_fingerprint
+    from auditor.formats.json_format import head_section
 
     settings = {
         "version": __version__,
@@ -202,5 +211,8 @@ def binding_for(head, *, domain, final_norm, ceiling: float | None, fail_on, all
         "block_size": block_size,
         "device": device,
         "token_strings": vocabulary_fingerprint(head),
+        # every block's report carries the head section, and blocks are merged only when they agree: a
+        # changed source format, token source, norm epsilon or tie must not resume (found in review)
+        "head": head_section(head),
     }
     return Binding(head_fingerprint(head), settings)

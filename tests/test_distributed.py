@@ -325,3 +325,39 @@ def test_merged_certificates_list_every_token_once_with_counts_summed():
     assert [t["id"] for t in merged["tokens"]] == [0, 2]
     assert merged["counts"] == {"argmaxable": 1, "unargmaxable": 1, "tied": 0, "inconclusive": 0, "undecided": 2}
     assert merged["timings"] == {"screen": 2.0}
+
+
+def test_ranks_on_nodes_holding_different_heads_stop_with_one_line(planted, tmp_path):
+    """Same file name and shape on both "nodes", another planted row on the second: merging the two halves
+    would report neither node's findings, so the ranks must refuse at their first meeting."""
+    other = tmp_path / "node1"
+    other.mkdir()
+    W = planted["weight"].copy()
+    W[300] = W[310:320].mean(axis=0)
+    save_file({"lm_head.weight": W}, str(other / planted["path"].name))
+    args = [planted["path"].name, "--format", "json", "--output", tmp_path / "report.json", "--quiet"]
+    codes, outputs, _ = _ranks(free_port(), [args, args], [planted["path"].parent, other])
+    assert codes == [2, 2], outputs
+    (out0, err0), (out1, err1) = outputs
+    assert err0.count("\n") == 1 and err0.startswith("audit: error: rank 1: it loaded another head"), err0
+    assert out0 == out1 == err1 == ""
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_a_work_dir_is_refused_when_the_head_was_read_otherwise(tmp_path, capsys):
+    """The same bytes, but config.json now names another norm epsilon: every block's report would carry the
+    old one, so the folder must not be resumed (found in review: it was, silently)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    rng = np.random.default_rng(5)
+    save_file({"lm_head.weight": rng.standard_normal((60, 8)).astype(np.float32),
+               "model.norm.weight": np.ones(8, dtype=np.float32)}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"rms_norm_eps": 1e-6}))
+    work = tmp_path / "work"
+    assert main([str(folder), "--work-dir", str(work), "--quiet", "--fail-on", "none"]) == 0
+    capsys.readouterr()
+    (folder / "config.json").write_text(json.dumps({"rms_norm_eps": 1e-5}))
+    assert main([str(folder), "--work-dir", str(work), "--quiet", "--fail-on", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"audit: error: --work-dir {work}: holds blocks of an audit with other settings "
+                   "(head.final_norm.eps was 1e-06, now 1e-05); give a new folder or empty this one\n")

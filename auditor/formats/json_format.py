@@ -19,29 +19,34 @@ def _number(value):
     return float(value) if value is not None and math.isfinite(value) else None
 
 
+def head_section(head, factorised=None) -> dict:
+    """The report's description of the head: where it came from and what was read."""
+    norm = head.final_norm
+    return {
+        "path": str(head.path) if head.path else None,
+        "format": head.source_format,
+        "weight": head.weight_name,
+        "bias": head.bias_name or ("bias" if head.bias is not None else None),
+        "shape": list(head.shape),
+        "dtype": head.dtype,
+        "tied": head.tied,
+        "final_norm": {"kind": norm.kind, "tensors": list(norm.names), "eps": norm.eps,
+                       "unit_offset": norm.unit_offset} if norm else None,
+        "token_strings": head.token_source or ("given" if head.tokens is not None else None),
+        "vocabulary_sha256": vocabulary_fingerprint(head),  # lets --baseline tell one vocabulary from another
+        # W = U @ V audited as U: shape and dtype above are U's
+        "factorised": factorised.to_dict() if factorised else None,
+    }
+
+
 def document(result: GateResult) -> dict:
     """The JSON report of a gate result (schema_version 1; fields are only ever added)."""
     head, report = result.head, result.report
-    norm = head.final_norm
     failing = {id(f) for f in result.failing}  # the gate decides what fails; the document records it
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "auditor", "version": auditor.__version__},
-        "head": {
-            "path": str(head.path) if head.path else None,
-            "format": head.source_format,
-            "weight": head.weight_name,
-            "bias": head.bias_name or ("bias" if head.bias is not None else None),
-            "shape": list(head.shape),
-            "dtype": head.dtype,
-            "tied": head.tied,
-            "final_norm": {"kind": norm.kind, "tensors": list(norm.names), "eps": norm.eps,
-                           "unit_offset": norm.unit_offset} if norm else None,
-            "token_strings": head.token_source or ("given" if head.tokens is not None else None),
-            "vocabulary_sha256": vocabulary_fingerprint(head),  # lets --baseline tell one vocabulary from another
-            # W = U @ V audited as U: shape and dtype above are U's
-            "factorised": report.factorised.to_dict() if report.factorised else None,
-        },
+        "head": head_section(head, report.factorised),
         "run": {"threads": report.threads, "device": report.device},
         "domain": str(report.domain),
         "shard": result.shard,
