@@ -28,6 +28,7 @@ from auditor.loader.hub import is_hub_id, parse_hub_id  # noqa: E402
 from auditor.verify_cli import main as audit_verify  # noqa: E402
 
 COMMIT = "3f1c0d9e8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e"
+LATER_COMMIT = "9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b"
 REPO = "org/name"
 HEAD_SHARD = "model-00002-of-00003.safetensors"
 NORM_SHARD = "model-00003-of-00003.safetensors"
@@ -237,6 +238,28 @@ def test_offline_a_cached_input_embedding_is_not_taken_for_an_uncached_head(hub_
     assert HEAD_SHARD in one_error_line(code, err)
 
 
+def partly_cached(cache: Path, tie) -> dict[str, bytes]:
+    """The sharded model as an interrupted download leaves it in the cache: config.json (tie_word_embeddings
+    as given, None: not said), vocab.txt and the first shard only (the input embedding's), no shard index.
+    Returns the repository's files, that config.json included."""
+    files = model_files(sharded=True)
+    config = {"model_type": "llama", "rms_norm_eps": 1e-6, **({} if tie is None else {"tie_word_embeddings": tie})}
+    files["config.json"] = json.dumps(config).encode()
+    write_cache(cache, REPO, {name: files[name] for name in ("config.json", "vocab.txt",
+                                                             "model-00001-of-00003.safetensors")})
+    return files
+
+
+@pytest.mark.parametrize("tie", [None, False])
+def test_offline_a_lone_cached_shard_is_not_taken_for_a_single_file_model(hub_env, monkeypatch, capsys, tie):
+    partly_cached(hub_env, tie)
+    offline(monkeypatch)
+    code, _, err = run_audit(capsys, REPO)  # not the embedding in shard 1, audited as if it were the model
+    line = one_error_line(code, err)
+    assert "model.safetensors.index.json" in line and "model-00001-of-00003.safetensors" in line, line
+    assert "not in the local cache" in line and "HF_HUB_OFFLINE" in line, line
+
+
 def test_certificates_of_an_id_are_verified_against_the_id(cached, tmp_path, capsys):
     certificates = tmp_path / "certificates.json"
     assert audit([REPO, "--certificates", str(certificates), "--quiet", "--fail-on", "none"]) == 0
@@ -263,10 +286,13 @@ def test_an_existing_folder_named_like_an_id_is_read_as_a_folder(hub_env, tmp_pa
 class FakeHub:
     """The Hub's endpoints that huggingface_hub calls, for repositories held in memory, on 127.0.0.1:
     GET /api/models/{repo}/revision/{rev} (model_info), HEAD and GET /{repo}/resolve/{rev}/{file} (with Range).
-    Answers carry the Hub's headers (X-Repo-Commit, ETag, X-Error-Code); ``requests`` logs each request."""
+    Answers carry the Hub's headers (X-Repo-Commit, ETag, X-Error-Code); ``requests`` logs each request.
+    ``repos`` are those at COMMIT, where main points; ``push_after_model_info`` (commit, repos) moves main to
+    a new commit right after the next model_info has answered, as a push in between would."""
 
     def __init__(self, repos: dict[str, dict[str, bytes]], gated: tuple[str, ...] = ()):
         self.repos, self.gated, self.requests = repos, gated, []
+        self.commits, self.main, self.push_after_model_info = {COMMIT: repos}, COMMIT, None
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -315,23 +341,28 @@ class FakeHub:
     def model_info(self, repo: str, revision: str):
         if repo not in self.repos:
             return 404, {"X-Error-Code": "RepoNotFound"}, b'{"error": "Repository not found"}'
-        if revision not in ("main", COMMIT):
+        commit = self.main if revision == "main" else revision
+        if commit not in self.commits:
             return 404, {"X-Error-Code": "RevisionNotFound"}, b'{"error": "Invalid rev id"}'
-        siblings = [{"rfilename": name} for name in sorted(self.repos[repo])]
-        info = {"id": repo, "sha": COMMIT, "private": False, "gated": repo in self.gated, "siblings": siblings}
+        siblings = [{"rfilename": name} for name in sorted(self.commits[commit][repo])]
+        info = {"id": repo, "sha": commit, "private": False, "gated": repo in self.gated, "siblings": siblings}
+        if self.push_after_model_info is not None:
+            pushed, repos = self.push_after_model_info
+            self.commits[pushed], self.main, self.push_after_model_info = repos, pushed, None
         return 200, {"Content-Type": "application/json"}, json.dumps(info).encode()
 
     def resolve(self, repo: str, revision: str, filename: str, span: str | None):
         if repo not in self.repos:
             return 404, {"X-Error-Code": "RepoNotFound"}, b"Repository not found"
-        if revision not in ("main", COMMIT):
+        commit = self.main if revision == "main" else revision
+        if commit not in self.commits:
             return 404, {"X-Error-Code": "RevisionNotFound"}, b"Invalid rev id"
         if repo in self.gated:
-            return 403, {"X-Error-Code": "GatedRepo", "X-Repo-Commit": COMMIT}, b"Access to model is restricted"
-        content = self.repos[repo].get(filename)
+            return 403, {"X-Error-Code": "GatedRepo", "X-Repo-Commit": commit}, b"Access to model is restricted"
+        content = self.commits[commit][repo].get(filename)
         if content is None:
-            return 404, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": COMMIT}, b"Entry not found"
-        headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(content).hexdigest()}"',
+            return 404, {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": commit}, b"Entry not found"
+        headers = {"X-Repo-Commit": commit, "ETag": f'"{hashlib.sha256(content).hexdigest()}"',
                    "Accept-Ranges": "bytes"}
         if span is None:
             return 200, headers, content
@@ -404,6 +435,39 @@ def test_a_cached_commit_is_audited_without_asking_the_hub(fake_hub, capsys):
     before = len(fake_hub.requests)
     code, _, err = run_audit(capsys, f"{REPO}@{COMMIT}")
     assert (code, err) == (1, "") and len(fake_hub.requests) == before
+
+
+@pytest.mark.parametrize("tie", [None, False])
+def test_a_partly_cached_commit_is_completed_from_the_hub(hub_env, fake_hub, tmp_path, capsys, tie):
+    fake_hub.repos[REPO] = partly_cached(hub_env, tie)
+    code, report, err = run_audit(capsys, f"{REPO}@{COMMIT}")
+    assert (code, err) == (1, "") and report["head"]["weight"] == "lm_head.weight"
+    assert fake_hub.content_fetched() == {"model.safetensors.index.json", HEAD_SHARD}  # the rest was cached
+    assert same_audit(report, run_audit(capsys, write_folder(tmp_path / "local", fake_hub.repos[REPO]))[1])
+
+
+def test_any_problem_with_a_cached_commit_falls_back_to_fetching(hub_env, fake_hub, local_sharded, capsys):
+    # two stray single files in the cached snapshot (say, fetched by hand), which alone are ambiguous
+    stray = {name: save({"x": np.zeros(2, np.float32)}) for name in ("a.safetensors", "b.safetensors")}
+    write_cache(hub_env, REPO, stray)
+    code, report, err = run_audit(capsys, f"{REPO}@{COMMIT}")
+    assert (code, err) == (1, "") and same_audit(report, run_audit(capsys, local_sharded)[1])
+
+
+def test_a_branch_is_pinned_to_the_commit_whose_files_were_listed(hub_env, fake_hub, local_sharded, monkeypatch,
+                                                                   capsys):
+    later = model_files(sharded=False)  # main moves on to a single-file model between model_info and the fetches
+    fake_hub.push_after_model_info = (LATER_COMMIT, {REPO: later})
+    code, report, err = run_audit(capsys, REPO)
+    assert (code, err) == (1, "") and report["head"]["path"] == f"{REPO}@{COMMIT}"
+    resolved = [path for _, path, _ in fake_hub.requests if "/resolve/" in path]
+    assert resolved and all(f"/resolve/{COMMIT}/" in path for path in resolved), resolved  # headers read too
+    assert any(span is not None for _, path, span in fake_hub.requests if "/resolve/" in path)
+    assert same_audit(report, run_audit(capsys, local_sharded)[1])
+    cache = hub_env / "models--org--name"
+    assert (cache / "refs" / "main").read_text() == COMMIT and not (cache / "snapshots" / LATER_COMMIT).exists()
+    offline(monkeypatch)  # the cache names main's snapshot as it was read
+    assert run_audit(capsys, REPO)[2] == ""
 
 
 def test_list_tensors_reads_headers_and_fetches_no_weights(fake_hub, capsys):

@@ -12,6 +12,7 @@ fetched whole, as there is no smaller part of it to read.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from contextlib import contextmanager
@@ -27,6 +28,8 @@ from auditor.loader.stores import SafetensorsStore, TensorInfo, TorchStore
 _NAME = r"[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
 _ID = re.compile(rf"(?P<repo>{_NAME}/{_NAME})(?:@(?P<revision>\S+))?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+# A part of a sharded checkpoint ("model-00001-of-00003.safetensors"), never a model in a single file.
+_SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.")
 # A missing "dir/head.safetensors" is a mistyped path, not a repository: report it as one.
 _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy", ".npz", ".gguf", ".json", ".git")
 
@@ -106,8 +109,8 @@ def resolve(repo_id: str, revision: str | None = None, *, weight: str | None = N
             return _gather(_CachedFiles(hub, repo_id, revision, _OFFLINE), label, weight, bias, need_norm)
         if revision and _COMMIT.fullmatch(revision):  # a commit never changes: what is cached is current
             try:
-                return _gather(_CachedFiles(hub, repo_id, revision, ""), label, weight, bias, need_norm)
-            except _NotCached:
+                return _gather_cached(hub, repo_id, revision, label, weight, bias, need_norm)
+            except _NotCached:  # not all of it, or not so that it can be read: fetch it
                 pass
         try:
             source = _HubFiles(hub, repo_id, revision)
@@ -144,6 +147,18 @@ def list_tensors(text: str) -> list[TensorInfo]:
     return sorted(infos.values(), key=lambda info: info.name)
 
 
+def _gather_cached(hub, repo_id: str, revision: str, label: str, weight, bias, need_norm: bool) -> HubModel:
+    """_gather from the cache alone, when fetching is possible: any problem found there (a file missing, a
+    head not found among the cached shards, ...) is _NotCached, so that the caller fetches instead; the
+    files on the Hub then give the answer, or the error, that the complete model gives."""
+    try:
+        return _gather(_CachedFiles(hub, repo_id, revision, ""), label, weight, bias, need_norm)
+    except _NotCached:
+        raise
+    except InputError as error:
+        raise _NotCached(str(error)) from error
+
+
 def _gather(source, label: str, weight, bias, need_norm: bool) -> HubModel:
     """Fetch (or find in the cache) config.json, the tokenizer files and the weights the head needs."""
     weights = _weights_file(source, label)
@@ -176,6 +191,14 @@ def _weights_file(source, label: str) -> str:
         if name in source.files:
             return name
     singles = [f for f in source.files if "/" not in f and f.lower().endswith((".safetensors", ".gguf"))]
+    if not source.complete:
+        # A cache holds what was fetched, not the repository's list: a shard there (an interrupted download,
+        # say) is one part of a sharded checkpoint whose index is not cached, never a model in a single file.
+        shards = sorted(f for f in singles if _SHARD_NAME.search(f))
+        if shards:
+            what = (f"the shard index of {shards[0]} (looked for {WEIGHT_FILES[0]})"
+                    if shards[0].lower().endswith(".safetensors") else f"the rest of the split file {shards[0]}")
+            raise source.absent(what)
     if len(singles) == 1:
         return singles[0]
     looked = ", ".join(WEIGHT_FILES)
@@ -265,21 +288,29 @@ class _HubFiles:
     """A revision's files on the Hub, fetched into the cache one by one as asked for."""
 
     where = "in the repository"
+    complete = True  # the repository's own list of files
 
     def __init__(self, hub, repo_id: str, revision: str | None):
         self._hub, self.repo_id = hub, repo_id
         self._api = hub.HfApi()
         info = self._api.model_info(repo_id, revision=revision)
         self.files = [sibling.rfilename for sibling in info.siblings or ()]
-        # The first fetch names the revision, so that the cache records where a branch or tag points (an
-        # offline run finds it so); the others are pinned to the commit it resolved to.
-        self._revision = revision
-        self.commit = None
+        # The list of files is that of the commit info.sha: every later request is pinned to it, so that a
+        # branch moving meanwhile mixes no other commit's files in. (Without a sha, as a mirror may answer,
+        # the first fetch names the revision and the others are pinned to the commit it resolved to.)
+        self._revision = revision or "main"
+        sha = getattr(info, "sha", None)
+        self.commit = sha if isinstance(sha, str) and _COMMIT.fullmatch(sha) else None
+        self._ref_written = False
 
     def get(self, filename: str) -> Path:
         path = Path(self._hub.hf_hub_download(self.repo_id, filename, revision=self.commit or self._revision))
+        snapshot = path.parents[len(Path(filename).parts) - 1]  # snapshots/<commit>/<filename>
         if self.commit is None:
-            self.commit = path.parents[len(Path(filename).parts) - 1].name  # snapshots/<commit>/<filename>
+            self.commit = snapshot.name
+        if not self._ref_written:
+            self._ref_written = True
+            _write_ref(snapshot.parent.parent, self._revision, self.commit)
         return path
 
     def headers(self, shard: str) -> dict[str, TensorInfo]:
@@ -294,10 +325,28 @@ class _HubFiles:
         return InputError(f"{self.repo_id}: {what} is not {self.where}")
 
 
+def _write_ref(repo_folder: Path, revision: str, commit: str):
+    """Record in the cache that the branch or tag ``revision`` points at ``commit`` (refs/<revision>), as a
+    fetch by revision records it, so that an offline run finds the snapshot by the same name."""
+    if revision == commit:
+        return
+    ref = repo_folder / "refs" / revision
+    try:
+        if ref.is_file() and ref.read_text().strip() == commit:
+            return
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        partial = ref.with_name(f"{ref.name}.{os.getpid()}.tmp")
+        partial.write_text(commit)
+        os.replace(partial, ref)  # readers never see half a ref
+    except OSError:  # a read-only cache: the snapshot is there, only its name for offline runs is not
+        pass
+
+
 class _CachedFiles:
     """A revision's files already in the local cache; nothing is fetched."""
 
     where = "in the local cache"
+    complete = False  # what was fetched, which may be part of the repository's files
 
     def __init__(self, hub, repo_id: str, revision: str | None, reason: str):
         self.repo_id, self._reason = repo_id, reason
