@@ -11,7 +11,6 @@ fetched whole, as there is no smaller part of it to read.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 from auditor.errors import InputError
 from auditor.loader.naming import (BIAS_NAMES, EMBEDDING_EXACT, EMBEDDING_SUFFIX, HEAD_EXACT, HEAD_SUFFIX,
                                    NORM_PREFIXES, HeadNames, _matches, choose_head)
-from auditor.loader.stores import SafetensorsStore, TensorInfo, TorchStore
+from auditor.loader.stores import SafetensorsStore, TensorInfo, TorchStore, parse_index
 
 # The Hub's own rule for a name: word characters, '.' and '-', starting and ending with a word character.
 _NAME = r"[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
@@ -132,7 +131,7 @@ def list_tensors(text: str) -> list[TensorInfo]:
         source = (_CachedFiles(hub, repo_id, revision, _OFFLINE) if offline
                   else _HubFiles(hub, repo_id, revision))
         if "model.safetensors.index.json" in source.files:
-            shards = sorted(set(_weight_map(source.get("model.safetensors.index.json")).values()))
+            shards = sorted(set(parse_index(source.get("model.safetensors.index.json")).values()))
         elif "model.safetensors" in source.files:
             shards = ["model.safetensors"]
         else:
@@ -171,7 +170,7 @@ def _gather(source, label: str, weight, bias, need_norm: bool) -> HubModel:
         checkpoint = source.get(weights)
         return HubModel(source.repo_id, source.commit, checkpoint)
     index = source.get(weights)
-    weight_map = _weight_map(index)
+    weight_map = parse_index(index)
     candidates = _candidates(weight_map, weight, bias, need_norm)
     if SHARD_INDEXES[weights] is SafetensorsStore:
         tie = _tie_word_embeddings(config)
@@ -272,16 +271,6 @@ def _tie_word_embeddings(config: Path | None):
     from auditor.loader import _read_config  # the loader's reading, text_config of multimodal models included
 
     return _read_config(config.parent).get("tie_word_embeddings") if config is not None else None
-
-
-def _weight_map(index: Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise InputError(f"{index}: not a readable shard index ({_first_line(error)})") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise InputError(f"{index}: its weight_map must map tensor names to shard files")
-    return weight_map
 
 
 class _HubFiles:

@@ -85,14 +85,21 @@ def _safetensors_header(path: Path) -> dict[str, TensorInfo]:
         raise InputError(f"{path}: not a readable safetensors file ({_first_line(error)})") from None
 
 
-def read_index(index: Path) -> dict[str, str]:
-    """The weight_map of a shard index (tensor name -> shard file), every shard checked present."""
+def parse_index(index: Path) -> dict[str, str]:
+    """The weight_map of a shard index (tensor name -> shard file) as written, its shards not looked for
+    (the Hub's loader reads an index before it has fetched any shard)."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise InputError(f"{index}: not a readable shard index ({_first_line(error)})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise InputError(f"{index}: its weight_map must map tensor names to shard files")
+    return weight_map
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """The weight_map of a shard index (tensor name -> shard file), every shard checked present."""
+    weight_map = parse_index(index)
     if not weight_map:
         raise InputError(f"{index}: its weight_map is empty")
     missing = sorted({shard for shard in weight_map.values() if not (index.parent / shard).is_file()})
