@@ -62,6 +62,10 @@ class Ball:
     def contains(self, z: np.ndarray) -> bool:
         return float(np.linalg.norm(z)) <= self.radius
 
+    def reach(self, d: int) -> float:
+        """The largest Euclidean norm of a point of the domain in R^d."""
+        return self.radius
+
 
 @dataclass(frozen=True)
 class Box:
@@ -85,6 +89,10 @@ class Box:
 
     def contains(self, z: np.ndarray) -> bool:
         return bool(np.all(np.abs(z) <= self.radius))
+
+    def reach(self, d: int) -> float:
+        """The largest Euclidean norm of a point of the domain in R^d: a corner's."""
+        return self.radius * math.sqrt(d)
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ def test_the_box_line_search_finds_the_minimum_of_its_segment(rng):
         c = torch.as_tensor(rng.standard_normal(1) * rng.uniform(0, 10))
         limit = torch.as_tensor(rng.uniform(0, 2, 1))
         mu = torch.as_tensor(rng.choice([0.0, 0.05], size=1))
-        step = float(_BoxNorm(r, 4).line_search(x, u, c, limit, mu)[0])
+        step = float(_BoxNorm(auditor.Box(r), 4).line_search(x, u, c, limit, mu)[0])
         grid = np.linspace(0, float(limit[0]), 20001)
         y = x.numpy() - grid[:, None] * u.numpy()
         values = r * np.sqrt(y * y + float(mu[0]) ** 2).sum(axis=1) + float(c[0]) * grid

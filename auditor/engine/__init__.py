@@ -182,7 +182,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
 
     clock = time.perf_counter()
     if options.defer_flat and head.domain.bounded:
-        reach = head.domain.radius if isinstance(head.domain, Ball) else head.domain.radius * math.sqrt(head.d)
+        reach = head.domain.reach(head.d)
         flat = np.array([upper.get(int(k), np.inf) <= head.residual_tolerance(int(k)) * reach for k in left], dtype=bool)
         for k in left[flat].tolist():
             out.verdict[k] = INCONCLUSIVE

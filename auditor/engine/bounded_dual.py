@@ -47,8 +47,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import math
-
 import numpy as np
 import torch
 
@@ -74,7 +72,7 @@ def bounded_dual(head: EngineHead, ids: np.ndarray, start: np.ndarray, iteration
     """Run pairwise Frank-Wolfe on the dual of ``domain`` (default: the head's, a Ball or a Box) for
     tokens ``ids`` from the rivals ``start``."""
     domain = head.domain if domain is None else domain
-    norm = _BallNorm(domain.radius) if isinstance(domain, Ball) else _BoxNorm(domain.radius, head.d)
+    norm = (_BallNorm if isinstance(domain, Ball) else _BoxNorm)(domain, head.d)
     assert isinstance(domain, (Ball, Box))
     outcomes = [DualOutcome() for _ in ids]
     batch = max(1, min(256, _SCORE_BUDGET // max(head.n, 1)))
@@ -107,9 +105,9 @@ def _line_search(r: float, x: torch.Tensor, u: torch.Tensor, c: torch.Tensor, li
 class _BallNorm:
     """r ||x||, smoothed to r sqrt(||x||^2 + mu^2)."""
 
-    def __init__(self, radius: float):
-        self.radius = radius
-        self.reach = radius  # largest ||z|| of the domain
+    def __init__(self, domain: Ball, d: int):
+        self.radius = domain.radius
+        self.reach = domain.reach(d)  # largest ||z|| of the domain
 
     def value(self, x: torch.Tensor) -> torch.Tensor:
         return self.radius * safe_norm(x, dim=1)
@@ -130,9 +128,9 @@ class _BallNorm:
 class _BoxNorm:
     """r ||x||_1, smoothed coordinate-wise to r sum_j sqrt(x_j^2 + mu^2)."""
 
-    def __init__(self, radius: float, d: int):
-        self.radius = radius
-        self.reach = radius * math.sqrt(d)
+    def __init__(self, domain: Box, d: int):
+        self.radius = domain.radius
+        self.reach = domain.reach(d)
 
     def value(self, x: torch.Tensor) -> torch.Tensor:
         return self.radius * x.abs().sum(dim=1)
