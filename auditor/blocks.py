@@ -164,9 +164,11 @@ def audit_in_blocks(job: AuditJob, tokens: list[int] | None, shard: dict | None,
     else:
         blocks = plan_blocks(ids, block_size or DEFAULT_BLOCK_SIZE)
     folder = WorkDir(work_dir) if work_dir is not None else None
-    done, plan = _taken_from(folder, job, blocks, block_size or DEFAULT_BLOCK_SIZE) if root else ({}, None)
+    # the head's digest and settings: hashed once, for the folder and for the ranks to compare
+    binding = _binding(job, block_size) if folder is not None or ranks is not None else None
+    done, plan = _taken_from(folder, binding, blocks, job.certificates) if root else ({}, None)
     if ranks is not None:  # rank 0's list of the blocks to decide, once every rank holds the same head
-        plan = ranks.ready(plan, _binding(job, block_size).key)
+        plan = ranks.ready(plan, binding.key)
         if folder is not None and not root:
             folder.prepare(plan["key"])
     decided = _decide(job, blocks, plan["pending"], folder, ranks, progress and root)
@@ -197,17 +199,17 @@ def _binding(job: AuditJob, block_size: int | None):
                        block_size=block_size or DEFAULT_BLOCK_SIZE, device=resolve_device(job.device).type)
 
 
-def _taken_from(folder, job: AuditJob, blocks: list[Block], block_size: int) -> tuple[dict[int, dict], dict]:
-    """Rank 0: the parts a work folder already holds, and the plan: the blocks still to decide, and the
-    folder's key for the other ranks. Raises InputError for a folder of another audit."""
-
+def _taken_from(folder, binding, blocks: list[Block], certificates: bool) -> tuple[dict[int, dict], dict]:
+    """Rank 0: the parts a work folder already holds (with their certificates when ``certificates``), and the
+    plan: the blocks still to decide, and the folder's key for the other ranks. Raises InputError for a folder
+    of another audit."""
     done: dict[int, dict] = {}
     if folder is not None:
-        folder.bind(_binding(job, block_size))
+        folder.bind(binding)
         folder.remove_stale_temporaries()
         for j, block in enumerate(blocks):
             part = folder.load(block.first, block.stop, block.ids)
-            if part is not None and (part.get("certificates") is not None or not job.certificates):
+            if part is not None and (part.get("certificates") is not None or not certificates):
                 done[j] = part
     plan = {"pending": [j for j in range(len(blocks)) if j not in done],
             "key": folder.key if folder is not None else None}
