@@ -222,8 +222,8 @@ def _run_batch(head: EngineHead, norm, ids: np.ndarray, start: np.ndarray, itera
     x = head.rows64(k_all) - head.rows64(start_t)
     linear = bias[k_all] - bias[start_t]  # sum_i alpha_i (b_k - b_i)
     running = torch.ones(count, dtype=torch.bool, device=device)
-    due = torch.ones(count, dtype=torch.bool, device=device)  # a full evaluation at the next iteration
-    waited = torch.zeros(count, dtype=torch.int64, device=device)  # iterations since the last one
+    # iterations since the last full evaluation: "long enough" at first, so that the first one is full
+    waited = torch.full((count,), _FULL_EVERY, dtype=torch.int64, device=device)
     best_lower = torch.full((count,), -torch.inf, dtype=torch.float64, device=device)
     best_upper = torch.full((count,), torch.inf, dtype=torch.float64, device=device)
     goal = torch.tensor([head.residual_tolerance(int(t)) * reach for t in ids], dtype=torch.float64, device=device)
@@ -253,7 +253,7 @@ def _run_batch(head: EngineHead, norm, ids: np.ndarray, start: np.ndarray, itera
         # where only it can answer: a point that beats every working rival (a witness must beat all
         # rows), a gap that closed on the working set (it may be the working set's alone), and every
         # _FULL_EVERY iterations.
-        full = due[live] | (waited[live] >= _FULL_EVERY) | (own_score > fw_score) | (gap <= 0)
+        full = (waited[live] >= _FULL_EVERY) | (own_score > fw_score) | (gap <= 0)
         certified = torch.zeros(live.numel(), dtype=torch.bool, device=device)
         if full.any():
             f = torch.nonzero(full).flatten()
@@ -275,7 +275,6 @@ def _run_batch(head: EngineHead, norm, ids: np.ndarray, start: np.ndarray, itera
                 fw_score, fw_column, away_column, gap = pairwise()
             waited[live[f]] = 0
         waited[live[~full]] += 1
-        due[live] = False
         for j in torch.nonzero(certified).flatten().tolist():
             slot = int(live[j])
             outcomes[slot].certified = True
