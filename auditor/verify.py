@@ -168,19 +168,20 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
                 result.fail(k, f"witness: does not beat token {rival} beyond rounding")
 
     tol = report.tolerances["residual_tol"]
-    views = [(report.domain, W, b, _typical_spread(W, b))]
+    # the last entry: whether the rows are the head's own, whose dual value may be settled exactly
+    views = [(report.domain, W, b, _typical_spread(W, b), True)]
     if norm is not None:  # the hull on the rows as given, or the ball question on the reduced head
         kind, gain, shift, _ = norm
         reduced = _reduced_rows(W, norm)
         reduced_bias = W @ shift + b
-        views = [(_UNBOUNDED, W, b, views[0][3]),
-                 (Ball(math.sqrt(d)), reduced, reduced_bias, _typical_spread(reduced, reduced_bias))]
+        views = [(_UNBOUNDED, W, b, views[0][3], True),
+                 (Ball(math.sqrt(d)), reduced, reduced_bias, _typical_spread(reduced, reduced_bias), False)]
     for token in tokens:
         if token.convex_indices is None:
             continue
         result.checked += 1
-        why = [_convex_failure(domain, rows, bias_, token, group.get(token.id, set()), tol, typical)
-               for domain, rows, bias_, typical in views]
+        why = [_convex_failure(domain, rows, bias_, token, group.get(token.id, set()), tol, typical, exact)
+               for domain, rows, bias_, typical, exact in views]
         if all(why):  # every view fails; the first (the domain as given) says why
             result.fail(token.id, f"convex weights: {why[0]}")
     result.failed = sorted(set(result.failed))
@@ -237,8 +238,25 @@ def _inside(domain, z: np.ndarray) -> bool:
     return True
 
 
-def _convex_failure(domain, W, b, token, group: set, tol: float, spread) -> str | None:
-    """Why the convex weights do not certify the token in this view; None when they do."""
+def _dual_at_most_zero_exactly(domain, alpha, w_k, rows, b_k, b) -> bool:
+    """Whether s_D(w_k - sum beta_i w_i) + sum beta_i (b_k - b_i) <= 0 for beta = alpha / sum(alpha), in
+    rational arithmetic (the ball: r^2 ||x||^2 <= gap^2 with gap <= 0; the box: r ||x||_1 + gap <= 0)."""
+    from fractions import Fraction
+
+    a = [Fraction(float(v)) for v in alpha]
+    total = sum(a)
+    x = [Fraction(float(w_k[j])) - sum(c * Fraction(float(v)) for c, v in zip(a, rows[:, j])) / total
+         for j in range(rows.shape[1])]
+    gap = sum(c * (Fraction(float(b_k)) - Fraction(float(v))) for c, v in zip(a, b)) / total
+    r = Fraction(float(domain.radius))
+    if isinstance(domain, Ball):
+        return gap <= 0 and r * r * sum(v * v for v in x) <= gap * gap
+    return r * sum(abs(v) for v in x) + gap <= 0
+
+
+def _convex_failure(domain, W, b, token, group: set, tol: float, spread, exact: bool) -> str | None:
+    """Why the convex weights do not certify the token in this view; None when they do. ``exact``: the
+    rows are the head's own (not computed), so a dual value zero up to rounding may be settled exactly."""
     k = token.id
     centre, typical = spread
     idx = np.asarray(token.convex_indices, dtype=np.int64)
@@ -286,6 +304,11 @@ def _convex_failure(domain, W, b, token, group: set, tol: float, spread) -> str 
             support = domain.radius * (float(np.abs(offset).sum()) * (1 + _gamma(d)) + math.sqrt(d) * slack)
         if support + gap <= 0:
             return None
+        size = float(_norm(offset)) if isinstance(domain, Ball) else float(np.abs(offset).sum())
+        computed = domain.radius * size + float(beta @ bias_differences)
+        if exact and s <= 64 and computed <= (support + gap) - computed and _dual_at_most_zero_exactly(
+                domain, alpha, W[k], W[idx], b[k], b[idx]):
+            return None  # zero within rounding, and at most zero in rational arithmetic
         return "the dual value is positive, and the residual or bias gap too large for the hull test"
     # relative to the row's norm: the head was rescaled above, the file's numbers were not
     if residual > tol * max(r_k, typical):

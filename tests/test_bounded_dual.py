@@ -137,3 +137,51 @@ def test_the_box_line_search_finds_the_minimum_of_its_segment(rng):
         values = r * np.sqrt(y * y + float(mu[0]) ** 2).sum(axis=1) + float(c[0]) * grid
         at = r * np.sqrt((x.numpy()[0] - step * u.numpy()[0]) ** 2 + float(mu[0]) ** 2).sum() + float(c[0]) * step
         assert at <= values.min() + 1e-9
+
+
+@pytest.mark.parametrize("domain", ["ball:0.25", "box:0.25"])
+def test_a_token_that_ties_only_on_the_boundary_is_unargmaxable_with_an_exact_certificate(domain):
+    """Found by hypothesis (test_invariance): token 2 leads row 10 only where z_4 < -0.25, so on the
+    domain its best margin is exactly 0, reached on the boundary, and it never wins. Its dual value is
+    exactly 0 (row 10 alone: 0.25 * 0.125 - 1/32), which float64 bounds cannot show to be <= 0."""
+    W = np.zeros((31, 4))
+    W[2, 3], W[10, 3] = -0.375, -0.25
+    b = np.zeros(31)
+    b[10] = 0.03125
+    report = auditor.audit(W, b, domain=domain, progress=False)
+    assert report.counts["inconclusive"] == 0
+    assert report.tokens[2].verdict == "unargmaxable"
+    if domain.startswith("box"):  # the LP over all rows agrees: the best margin is 0
+        assert abs(lp_margin(W, b, 2, domain)[0]) < 1e-12
+    assert auditor.verify(report, W, b).ok
+    for shift, verdict in ((-2.0**-10, "argmaxable"), (2.0**-10, "unargmaxable")):  # clear of the tie
+        nudged = b.copy()
+        nudged[10] += shift
+        assert auditor.audit(W, nudged, domain=domain, progress=False).tokens[2].verdict == verdict, shift
+
+
+@pytest.mark.parametrize("domain, rows", [
+    ("ball:2", {2: [0, 0, 0, -0.34375], 6: [-1 / 32, 0, 0, 0], 10: [0, 0, 0, -0.25], 11: [0, 0, 0, -0.125]}),
+    ("ball:7.25", {2: [0, 0, 0, 0.15625], 3: [0, 1 / 32, 0, 0.125], 9: [0, 0, 0, -1 / 32], 10: [0, 0, 0, 1 / 32],
+                   11: [0, 0, 0, 0.09375]}),
+])
+def test_a_row_exactly_between_two_rows_with_its_bias_between_theirs_is_unargmaxable(domain, rows):
+    """Found by hypothesis (test_invariance): row 11 is the midpoint of rows 10 and 2 (or 10 and
+    a row of zeros), its bias the midpoint of theirs, so at best it ties both: the dual value is exactly
+    0, certified by the weights (1/2, 1/2), which a float64 solve gives only up to rounding."""
+    W = np.zeros((34, 4))
+    for k, row in rows.items():
+        W[k] = row
+    b = np.zeros(34)
+    b[10], b[11] = 1 / 32, 1 / 64
+    report = auditor.audit(W, b, domain=domain, progress=False)
+    assert report.counts["inconclusive"] == 0
+    token = report.tokens[11]
+    assert token.verdict == "unargmaxable"
+    assert sorted(np.asarray(token.convex_weights).tolist()) == [0.5, 0.5]
+    assert auditor.verify(report, W, b).ok
+    assert lp_margin(W, b, 11, domain)[0] < 1e-9  # the LP over all rows: no positive margin
+    for shift, verdict in ((-2.0**-10, "argmaxable"), (2.0**-10, "unargmaxable")):  # clear of the tie
+        nudged = b.copy()
+        nudged[11] -= shift
+        assert auditor.audit(W, nudged, domain=domain, progress=False).tokens[11].verdict == verdict, shift

@@ -149,6 +149,15 @@ def test_one_vector_added_to_every_row_changes_no_verdict_unbounded(head, vector
 
 @FAST
 @given(heads(bias=True), translations, domains(bounded=True))
+# found by hypothesis: a tie reached only on the boundary (token 2), and rows exactly between two others
+# with their bias exactly between theirs (token 11), whose dual values are exactly 0
+@example(planted({2: [0, 0, 0, -0.375], 10: [0, 0, 0, -0.25]}, 31, 4, {10: 1 / 32}),
+         ([3, -1, 2, 0, 5], 10), auditor.Box(0.25))
+@example(planted({2: [0, 0, 0, -0.34375], 6: [-1 / 32, 0, 0, 0], 10: [0, 0, 0, -0.25], 11: [0, 0, 0, -0.125]},
+                 34, 4, {10: 1 / 32, 11: 1 / 64}), ([0] * 5, 0), auditor.Ball(2))
+@example(planted({0: [0, 0, 0, 0.078125], 2: [0, 0, 0, 0.15625], 3: [0, 1 / 32, 0, 0.125], 9: [0, 0, 0, -1 / 32],
+                  10: [0, 0, 0, 1 / 32], 11: [0, 0, 0, 0.09375]}, 34, 4, {10: 1 / 32, 11: 1 / 64}),
+         ([0] * 5, 0), auditor.Ball(7.25))
 def test_one_vector_added_to_every_row_changes_no_verdict_in_a_bounded_domain_with_bias(head, vector, domain):
     assert_same_verdicts(audit(head, domain=domain), audit(translate(head.weight, vector), head.bias, domain))
 

@@ -98,9 +98,11 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
         representative = duplicate_groups(weight, bias)  # on the rows as given, before any rounding
     competitor = torch.as_tensor(representative == np.arange(n), device=weight.device)
     form = normal_form(weight, bias, domain, competitor, row_error, bias_error)
-    del weight, bias
     head = build_engine_head(form.weight, form.bias, representative, form.domain, options.residual_tol,
                              form.row_error, form.bias_error)
+    if row_error is None and bias_error is None:
+        head.exact_source = (weight, bias, domain)
+    del weight, bias
     timings["ties"] = time.perf_counter() - clock
 
     out = Decisions(
@@ -379,6 +381,11 @@ def _settle_dual(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, se
             indices, weights = outcome.support, outcome.support_weights
             if head.domain.bounded:
                 check = check_convex(head, k, indices, weights)
+                flat = min(outcome.upper, check.residual) <= head.residual_tolerance(k) * head.domain.reach(head.d)
+                if not check.accepted and flat:
+                    # a dual value zero up to rounding, as for a row exactly between others with its bias
+                    # exactly between theirs: the exact combination on the support may still be certified
+                    indices, weights, check = polish(head, k, indices, weights)
             else:
                 indices, weights, check = polish(head, k, indices, weights)
             if check.accepted:

@@ -140,6 +140,28 @@ def exact_gap(weights, b_k, b) -> float:
     return rounded if Fraction(rounded) >= value else float(np.nextafter(rounded, np.inf))
 
 
+def exact_dual_at_most_zero(domain, weights, w_k, rows, b_k, b) -> bool:
+    """Whether the dual value s_D(w_k - sum beta_i w_i) + sum beta_i (b_k - b_i), beta = alpha / sum(alpha),
+    is at most 0, in rational arithmetic: for the ball r ||x|| <= -gap is r^2 ||x||^2 <= gap^2 with gap <= 0,
+    for the box r ||x||_1 + gap <= 0. ``b`` is None without a bias."""
+    from fractions import Fraction
+
+    alpha = [Fraction(float(a)) for a in np.asarray(weights).ravel()]
+    total = sum(alpha)
+    rows = np.asarray(rows, dtype=np.float64)
+    x = [Fraction(float(w_k[j])) - sum(a * Fraction(float(v)) for a, v in zip(alpha, rows[:, j])) / total
+         for j in range(rows.shape[1])]
+    gap = Fraction(0)
+    if b is not None:
+        top = Fraction(float(b_k))
+        values = np.asarray(b.cpu() if hasattr(b, "cpu") else b, dtype=np.float64).ravel()
+        gap = sum(a * (top - Fraction(float(v))) for a, v in zip(alpha, values)) / total
+    radius = Fraction(float(domain.radius))
+    if isinstance(domain, Ball):
+        return gap <= 0 and radius * radius * sum(v * v for v in x) <= gap * gap
+    return radius * sum(abs(v) for v in x) + gap <= 0
+
+
 @dataclass
 class ConvexCheck:
     residual: float  # unbounded: bound on ||sum alpha_i w_i - w_k||; bounded: bound on the dual value
@@ -190,7 +212,7 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
     if head.bias is not None:
         b_k = head.bias[k]
         differences = b_k - head.bias[index]  # b_k - b_i, each rounded relative to itself
-        computed = float(alpha @ differences) / total
+        computed = computed_gap = float(alpha @ differences) / total
         gap = computed + 2 * gamma(s + 3) * float(alpha @ differences.abs()) / total
         if bool(differences.any()):
             gap += head.underflow_floor
@@ -209,4 +231,25 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
     else:
         support = domain.radius * (float(np.abs(offset).sum()) * (1 + gamma(head.d)) + math.sqrt(head.d) * error)
     value = support + gap
+    source = head.exact_source
+    if (0 < value and not hull_certificate and s <= _EXACT_GAP_ROWS and math.isfinite(value)
+            and (source is not None or (head.row_error is None and head.bias_error is None))):
+        # The dual value may be exactly 0 (a token that reaches a tie only on the domain's boundary, and
+        # so never wins): when the computed value is zero within its rounding bound, settle the sign in
+        # rational arithmetic, on the weights as they will be reported and the numbers as given (the
+        # normal form's translated rows and bias carry rounding; its powers of two change no sign).
+        size = float(np.linalg.norm(offset)) if isinstance(domain, Ball) else float(np.abs(offset).sum())
+        computed = domain.radius * size + (computed_gap if head.bias is not None else 0.0)
+        if computed <= value - computed:
+            beta = weights / weights.sum()
+            if source is not None:
+                weight, bias, given = source
+                rows = weight[torch.as_tensor(indices, device=weight.device)].to(torch.float64).cpu().numpy()
+                own = weight[k].to(torch.float64).cpu().numpy()
+                b_k, b = (float(bias[k]), bias[index]) if bias is not None else (0.0, None)
+            else:
+                given, rows, own = domain, head.rows(indices), w_k.cpu().numpy()
+                b_k, b = (head.bias[k], head.bias[index]) if head.bias is not None else (0.0, None)
+            if exact_dual_at_most_zero(given, beta, own, rows, b_k, b):
+                return ConvexCheck(0.0, gap, True)  # 0 bounds the exact value, which is <= 0
     return ConvexCheck(value, gap, bool(math.isfinite(value) and (value <= 0 or hull_certificate)))

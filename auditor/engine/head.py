@@ -44,6 +44,9 @@ class EngineHead:
     residual_tol: float  # relative tolerance for the residual of a convex certificate
     row_error: torch.Tensor | None = None  # bound on ||stored row - exact row|| when the rows were derived
     bias_error: torch.Tensor | None = None  # likewise for the bias
+    # (weight, bias, domain) as the caller gave them, when those numbers are exact (not the norm domain's
+    # derived rows): a dual value zero up to rounding has its sign settled on them in rational arithmetic
+    exact_source: tuple | None = None
 
     @property
     def max_row_error(self) -> float:

@@ -29,7 +29,7 @@ import scipy.optimize
 import torch
 
 from auditor.domain import Ball
-from auditor.engine.certify import check_convex, check_witnesses
+from auditor.engine.certify import _EXACT_GAP_ROWS, check_convex, check_witnesses
 from auditor.engine.head import EngineHead
 
 
@@ -161,7 +161,30 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
         key = (not check.accepted, check.residual)
         if best is None or key < best[0]:
             best = (key, idx[nz], w[nz], check)
+    if not best[3].accepted and best[2].size <= _EXACT_GAP_ROWS:
+        # A value zero only in exact arithmetic (a row exactly between others, its bias exactly between
+        # theirs) needs the exact weights, which a solve gives only up to rounding: they are usually
+        # fractions with small denominators, which float64 weights represent after normalisation when
+        # the denominators are powers of two or the weights are equal.
+        snapped = _snapped(best[2])
+        if snapped is not None:
+            check = check_convex(head, k, best[1], snapped)
+            if check.accepted:
+                return best[1], snapped, check
     return best[1], best[2], best[3]
+
+
+def _snapped(weights: np.ndarray, denominator: int = 1 << 12) -> np.ndarray | None:
+    """The nearest fractions with denominators at most ``denominator``, summing to 1 exactly, as float64
+    (None when no weight moves, or when one would vanish)."""
+    from fractions import Fraction
+
+    fractions = [Fraction(float(w)).limit_denominator(denominator) for w in weights / weights.sum()]
+    total = sum(fractions)
+    if total <= 0 or any(f <= 0 for f in fractions):
+        return None
+    snapped = np.array([float(f / total) for f in fractions])
+    return None if np.array_equal(snapped, weights) else snapped
 
 
 def _try_witness(head: EngineHead, k: int, z: np.ndarray, outcome: LpOutcome) -> bool:
