@@ -186,6 +186,13 @@ def main() -> None:
         print(f"{title}: {wall:.2f} s{ratio}", flush=True)
         print(f"    counts {f['counts']}  (target inconclusive 0)")
         print(f"    stages {f['stages_s']}", flush=True)
+        if options.get("probability_ceiling"):
+            reached, bound = report.ceilings()
+            width = bound - reached
+            f["ceiling_width_max"] = float(np.nanmax(width))
+            f["ceilings_wider_than_1e-4"] = int(np.sum(width > 1e-4))
+            print(f"    ceilings: widest bound {f['ceiling_width_max']:.3g}, {f['ceilings_wider_than_1e-4']} wider "
+                  f"than 1e-4, {int(np.sum(reached < 0.5))} tokens never reach 50 %", flush=True)
 
     figures["invariance"] = {}
     print("(e) invariance repros (target: identical verdicts, inconclusive 0)")

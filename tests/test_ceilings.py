@@ -83,3 +83,25 @@ def test_anisotropic_heads_still_get_bounds_within_the_gap(rng):
 def test_a_single_row_reaches_probability_one():
     token = auditor.audit(np.ones((1, 3)), domain="ball:1", probability_ceiling=True, progress=False).tokens[0]
     assert token.probability_bounds == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("steering", ["bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("iterations", [0, 12])
+def test_the_steering_precision_and_effort_change_no_certified_bound(rng, monkeypatch, steering, iterations):
+    """The search runs in a fast precision (bfloat16 where the hardware has it) and only its point is
+    used: with any steering precision, and with no steering at all (the float64 solver then does
+    everything), the certified bounds still hold the cvxpy optimum and lie within the gap."""
+    import torch
+
+    import auditor.engine.ceiling as ceiling
+
+    monkeypatch.setattr(ceiling, "steering_dtype", lambda device: getattr(torch, steering))
+    monkeypatch.setattr(ceiling, "_STEERING_ITERATIONS", iterations)
+    W = rng.standard_normal((60, 5))
+    W = np.vstack([W, W[:6].mean(axis=0)])  # an interior row: its ceiling stays below one half
+    b = 0.3 * rng.standard_normal(61)
+    report = auditor.audit(W, b, domain="ball:1.5", probability_ceiling=True, progress=False)
+    assert_ceilings_match(report, W, b, lambda z: [cp.norm(z, 2) <= 1.5],
+                          lambda t: softmax_at(W, b, t.probability_point, t.id))
+    assert report.tokens[60].max_probability < 0.5
+
