@@ -62,15 +62,38 @@ def _support(domain: Domain, v: torch.Tensor) -> torch.Tensor:
     return domain.radius * v.abs().sum(dim=1)
 
 
+class _Buffers:
+    """Scratch tensors reused from one evaluation to the next: a fresh B x n tensor each time costs
+    as much in page faults as an elementwise pass over it."""
+
+    def __init__(self):
+        self.held: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor:
+        size = shape[0] * shape[1]
+        held = self.held.get(name)
+        if held is None or held.dtype != dtype or held.device != torch.device(device) or held.numel() < size:
+            held = self.held[name] = torch.empty(size, dtype=dtype, device=device)
+        return held[:size].view(shape)
+
+
 def _evaluate(weight: torch.Tensor, bias: torch.Tensor | None, k: torch.Tensor, z: torch.Tensor,
-              gradient: torch.Tensor | bool = True):
+              gradient=True, buffers: _Buffers | None = None):
     """F_k(z) and its gradient for a batch of tokens: products in ``weight``'s precision, the rest in z's.
 
     ``gradient`` is True (for every row), False, or a function of the values giving a boolean
     mask of the rows that need it; rows left out get NaN. One pass of exponentials over the
     logits, in place."""
+    buffers = buffers or _Buffers()
     rows = torch.arange(len(k), device=z.device)
-    logits = (z.to(weight.dtype) @ weight.T).to(z.dtype)
+    shape = (len(k), weight.shape[0])
+    logits = buffers.get("logits", shape, z.dtype, z.device)
+    if weight.dtype == z.dtype:
+        torch.matmul(z, weight.T, out=logits)
+    else:
+        products = buffers.get("products", shape, weight.dtype, z.device)
+        torch.matmul(z.to(weight.dtype), weight.T, out=products)
+        logits.copy_(products)
     if bias is not None:
         logits += bias[None, :]
     own = logits[rows, k].clone()
@@ -81,12 +104,17 @@ def _evaluate(weight: torch.Tensor, bias: torch.Tensor | None, k: torch.Tensor, 
     value = torch.log(total) + (top - own)
     if gradient is False:
         return value, None
-    if gradient is True:  # no copy of the terms
-        return value, (terms.to(weight.dtype) @ weight).to(z.dtype) / total[:, None] - weight[k].to(z.dtype)
+    if gradient is True:
+        need, chosen = rows, terms
+    else:
+        need = torch.nonzero(gradient(value)).flatten()
+        chosen = terms[need]
     g = torch.full_like(z, torch.nan)
-    need = torch.nonzero(gradient(value)).flatten()
     if len(need):
-        mix = (terms[need].to(weight.dtype) @ weight).to(z.dtype) / total[need, None]
+        if chosen.dtype != weight.dtype:
+            narrow = buffers.get("products", tuple(chosen.shape), weight.dtype, z.device)
+            chosen = narrow.copy_(chosen)
+        mix = (chosen @ weight).to(z.dtype) / total[need, None]
         g[need] = mix - weight[k[need]].to(z.dtype)
     return value, g
 
@@ -134,21 +162,28 @@ def probability_ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: n
     batch = max(1, min(512, _BLOCK_BUDGET // max(weight.shape[0], 1)))
     scale = _Scale(weight, bias, row_error, bias_error, domain)
     fast = _Steering(weight, bias, steering or steering_dtype(weight.device))
+    exact = _Buffers()  # the float64 evaluations' scratch
     for s in range(0, count, batch):
         part = slice(s, min(s + batch, count))
         k = torch.as_tensor(ids[part], device=weight.device)
         z = _project(domain, start[part].to(torch.float64))
         z = _spg(fast.evaluate, k, z.to(fast.compute), domain, gap * _STEERING_GAP, _STEERING_ITERATIONS,
                  scale.max_norm)[2]
-        lo, up, z = _certify(weight, bias, k, _project(domain, z.to(torch.float64)), domain, gap, scale)
-        open_ = np.nonzero(up - lo > gap)[0]
-        if open_.size:  # the steering's point is not close enough: on in float64 from it
-            rows = torch.as_tensor(open_, device=weight.device)
-            lo[open_], up[open_], z[open_] = _solve_batch(weight, bias, k[rows], torch.as_tensor(z[open_]).to(weight.device),
-                                                          domain, gap, iterations, scale)
-        lower[part], upper[part], point[part] = lo, up, z
+        lower[part], upper[part], point[part] = _certify(weight, bias, k, _project(domain, z.to(torch.float64)),
+                                                         domain, gap, scale, exact)
         if progress is not None:
             progress.update(part.stop - part.start)
+    # where the steering's point is not close enough: on in float64 from it, in full batches
+    left = np.nonzero(upper - lower > gap)[0]
+    for s in range(0, left.size, batch):
+        part = left[s:s + batch]
+        k = torch.as_tensor(ids[part], device=weight.device)
+        z = torch.as_tensor(point[part], device=weight.device)
+        lo, up, zz = _solve_batch(weight, bias, k, z, domain, gap, iterations, scale, exact)
+        better = lo > lower[part]
+        lower[part] = np.maximum(lo, lower[part])
+        upper[part] = np.minimum(up, upper[part])
+        point[part[better]] = zz[better]
     wide = np.nonzero(upper - lower > gap)[0][:_EXACT_LIMIT]
     for j in wide.tolist():  # the few that first-order steps leave open: an interior-point solve
         z = _cvxpy_point(weight, bias, int(ids[j]), domain)
@@ -173,8 +208,10 @@ class _Steering:
         self.compute = torch.float32 if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float64
         self.bias = bias.to(self.compute) if bias is not None else None
 
+        self.buffers = _Buffers()
+
     def evaluate(self, k, z):
-        return _evaluate(self.weight, self.bias, k, z)
+        return _evaluate(self.weight, self.bias, k, z, buffers=self.buffers)
 
 
 
@@ -231,10 +268,11 @@ def _dual(domain, value, gradient, z):
     return value - (gradient * z).sum(dim=1) - _support(domain, -gradient)
 
 
-def _certify(weight, bias, k, z, domain, gap, scale: _Scale):
+def _certify(weight, bias, k, z, domain, gap, scale: _Scale, buffers: _Buffers | None = None):
     """One float64 evaluation at z: the certified bounds, with the gradient only where the lower
     bound is not already within ``gap`` of 1."""
-    value, gradient = _evaluate(weight, bias, k, z, gradient=lambda v: _probability(v + scale.value_error(k, z, v)) < 1 - gap)
+    value, gradient = _evaluate(weight, bias, k, z, buffers=buffers,
+                                gradient=lambda v: _probability(v + scale.value_error(k, z, v)) < 1 - gap)
     lower, upper = _certified_bounds(scale, domain, k, z, value, gradient, _dual(domain, value, gradient, z))
     upper = torch.where(torch.isnan(upper), torch.ones_like(upper), upper)  # no gradient: 1 is within the gap
     return lower.cpu().numpy(), upper.cpu().numpy(), z.cpu().numpy()
@@ -258,9 +296,9 @@ def _cvxpy_point(weight, bias, k: int, domain) -> torch.Tensor | None:
     return torch.as_tensor(np.asarray(z.value, dtype=np.float64), device=weight.device)
 
 
-def _solve_batch(weight, bias, k, z, domain, gap, iterations, scale: _Scale):
+def _solve_batch(weight, bias, k, z, domain, gap, iterations, scale: _Scale, buffers: _Buffers | None = None):
     """Float64 spectral projected gradient with certified bounds at every point it evaluates."""
-    lower, upper, best_z = _spg(lambda kk, zz: _evaluate(weight, bias, kk, zz), k, z, domain, gap, iterations,
+    lower, upper, best_z = _spg(lambda kk, zz: _evaluate(weight, bias, kk, zz, buffers=buffers), k, z, domain, gap, iterations,
                                 scale.max_norm, scale)
     return lower.cpu().numpy(), upper.cpu().numpy(), best_z.cpu().numpy()
 
