@@ -105,3 +105,11 @@ def test_the_steering_precision_and_effort_change_no_certified_bound(rng, monkey
                           lambda t: softmax_at(W, b, t.probability_point, t.id))
     assert report.tokens[60].max_probability < 0.5
 
+
+
+def test_a_token_that_never_reaches_probability_one_is_not_reported_as_reaching_it():
+    """At z = (5, 0) token 0 leads token 1 by 100: p = 1 - e^-100 rounds to 1.0 in float64, but 1 is
+    never reached; the lower bound is rounded down below the sigmoid's rounding, the upper bound is 1."""
+    W = np.array([[10.0, 0.0], [-10.0, 0.0]])
+    lower, upper = auditor.audit(W, domain="ball:5", probability_ceiling=True, progress=False).tokens[0].probability_bounds
+    assert 1 - 1e-4 <= lower < 1.0 and upper == 1.0

@@ -123,6 +123,20 @@ def _probability(value: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(-value)
 
 
+_SIGMOID_ROUNDING = 8 * 2.0**-53  # the sigmoid's own relative error, allowed for generously
+
+
+def _probability_below(value: torch.Tensor) -> torch.Tensor:
+    """A probability at most 1 / (1 + exp(value)): near 1 the value's slack is below one unit of p. NaN gives 0."""
+    p = torch.sigmoid(-value) * (1 - _SIGMOID_ROUNDING)
+    return torch.where(torch.isnan(p), torch.zeros_like(p), p)
+
+
+def _probability_above(value: torch.Tensor) -> torch.Tensor:
+    """A probability at least 1 / (1 + exp(value)), at most 1 (NaN stays NaN: no bound)."""
+    return torch.clamp(torch.sigmoid(-value) * (1 + _SIGMOID_ROUNDING), max=1.0)
+
+
 def steering_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 where matrix products in it are fast (CUDA with bfloat16, CPUs with AVX512-BF16 or AMX),
     else float32: the search's own precision, whose answers are all evaluated again in float64."""
@@ -153,7 +167,7 @@ def probability_ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: n
         raise ValueError("probability ceilings need a bounded domain")
     count = len(ids)
     if weight.shape[0] == 1:  # no rival: the only token has probability 1 everywhere
-        return Ceilings(np.ones(count), np.ones(count), _project(domain, start).cpu().numpy())
+        return Ceilings(np.ones(count), np.ones(count), _project(domain, start.to(torch.float64)).cpu().numpy())
     weight = weight.to(torch.float64)
     bias = bias.to(torch.float64) if bias is not None else None
     lower = np.zeros(count)
@@ -190,8 +204,9 @@ def probability_ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: n
         if z is not None:
             k = torch.as_tensor(ids[j:j + 1], device=weight.device)
             lo, up, zz = _solve_batch(weight, bias, k, _project(domain, z[None, :]), domain, gap, 50, scale)
-            if up[0] - lo[0] < upper[j] - lower[j]:
-                lower[j], upper[j], point[j] = max(lo[0], lower[j]), min(up[0], upper[j]), zz[0]
+            if lo[0] > lower[j]:  # the point stays with the bound reached at it
+                lower[j], point[j] = lo[0], zz[0]
+            upper[j] = min(up[0], upper[j])
     return Ceilings(lower, upper, point)
 
 
@@ -252,7 +267,7 @@ class _Scale:
 def _certified_bounds(scale: _Scale, domain, k, z, value, gradient, dual_value):
     """p_k at z, rounded down, and the upper bound from the linearisation at the point
     where ``dual_value`` = F - g.z - s_D(-g) was computed (``z``, ``value``, ``gradient`` there)."""
-    lower = _probability(value + scale.value_error(k, z, value))
+    lower = _probability_below(value + scale.value_error(k, z, value))
     if gradient is None:
         return lower, torch.ones_like(lower)
     size = safe_norm(z, dim=1)
@@ -260,8 +275,7 @@ def _certified_bounds(scale: _Scale, domain, k, z, value, gradient, dual_value):
     # g~.z and s_D(-g~) are float64 sums of d terms
     products = gamma(gradient.shape[1] + 2) * safe_norm(gradient, dim=1) * (size + scale.reach * math.sqrt(gradient.shape[1]))
     slack = scale.value_error(k, z, value) + scale.gradient_error(k, z) * (scale.reach + size) + products
-    upper = _probability(dual_value - slack)
-    return lower, torch.clamp(upper, max=1.0)
+    return lower, _probability_above(dual_value - slack)
 
 
 def _dual(domain, value, gradient, z):
@@ -272,7 +286,7 @@ def _certify(weight, bias, k, z, domain, gap, scale: _Scale, buffers: _Buffers |
     """One float64 evaluation at z: the certified bounds, with the gradient only where the lower
     bound is not already within ``gap`` of 1."""
     value, gradient = _evaluate(weight, bias, k, z, buffers=buffers,
-                                gradient=lambda v: _probability(v + scale.value_error(k, z, v)) < 1 - gap)
+                                gradient=lambda v: _probability_below(v + scale.value_error(k, z, v)) < 1 - gap)
     lower, upper = _certified_bounds(scale, domain, k, z, value, gradient, _dual(domain, value, gradient, z))
     upper = torch.where(torch.isnan(upper), torch.ones_like(upper), upper)  # no gradient: 1 is within the gap
     return lower.cpu().numpy(), upper.cpu().numpy(), z.cpu().numpy()
