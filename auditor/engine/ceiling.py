@@ -81,8 +81,8 @@ def _evaluate(weight: torch.Tensor, bias: torch.Tensor | None, k: torch.Tensor, 
               gradient=True, buffers: _Buffers | None = None):
     """F_k(z) and its gradient for a batch of tokens: products in ``weight``'s precision, the rest in z's.
 
-    ``gradient`` is True (for every row), False, or a function of the values giving a boolean
-    mask of the rows that need it; rows left out get NaN. One pass of exponentials over the
+    ``gradient`` is True (for every row) or a function of the values giving a boolean mask of
+    the rows that need it; rows left out get NaN. One pass of exponentials over the
     logits, in place."""
     buffers = buffers or _Buffers()
     rows = torch.arange(len(k), device=z.device)
@@ -102,8 +102,6 @@ def _evaluate(weight: torch.Tensor, bias: torch.Tensor | None, k: torch.Tensor, 
     terms = logits.sub_(top[:, None]).exp_()  # exp(l_i - max): each in (0, 1], the largest 1
     total = terms.sum(dim=1)
     value = torch.log(total) + (top - own)
-    if gradient is False:
-        return value, None
     if gradient is True:
         need, chosen = rows, terms
     else:
@@ -222,12 +220,10 @@ class _Steering:
         self.weight = weight.to(dtype)
         self.compute = torch.float32 if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float64
         self.bias = bias.to(self.compute) if bias is not None else None
-
         self.buffers = _Buffers()
 
     def evaluate(self, k, z):
         return _evaluate(self.weight, self.bias, k, z, buffers=self.buffers)
-
 
 
 class _Scale:
@@ -268,8 +264,6 @@ def _certified_bounds(scale: _Scale, domain, k, z, value, gradient, dual_value):
     """p_k at z, rounded down, and the upper bound from the linearisation at the point
     where ``dual_value`` = F - g.z - s_D(-g) was computed (``z``, ``value``, ``gradient`` there)."""
     lower = _probability_below(value + scale.value_error(k, z, value))
-    if gradient is None:
-        return lower, torch.ones_like(lower)
     size = safe_norm(z, dim=1)
     # F(z') >= F(z) + g.(z' - z) - ||g - g~|| ||z' - z||, ||z' - z|| <= reach + ||z||; the products
     # g~.z and s_D(-g~) are float64 sums of d terms
