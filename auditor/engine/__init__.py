@@ -100,7 +100,9 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     form = normal_form(weight, bias, domain, competitor, row_error, bias_error)
     head = build_engine_head(form.weight, form.bias, representative, form.domain, options.residual_tol,
                              form.row_error, form.bias_error)
-    if row_error is None and bias_error is None:
+    if row_error is None and bias_error is None and (form.row_error is not None or form.bias_error is not None):
+        # exact numbers the normal form rounded (a translation, a shifted bias): kept for the rational
+        # test of check_convex; otherwise the head's own rows are exact and no second copy stays alive
         head.exact_source = (weight, bias, domain)
     del weight, bias
     timings["ties"] = time.perf_counter() - clock

@@ -45,7 +45,8 @@ class EngineHead:
     row_error: torch.Tensor | None = None  # bound on ||stored row - exact row|| when the rows were derived
     bias_error: torch.Tensor | None = None  # likewise for the bias
     # (weight, bias, domain) as the caller gave them, when those numbers are exact (not the norm domain's
-    # derived rows): a dual value zero up to rounding has its sign settled on them in rational arithmetic
+    # derived rows) but the normal form rounded them: a dual value zero up to rounding has its sign
+    # settled on them in rational arithmetic (on the head's own rows when they carry no error)
     exact_source: tuple | None = None
 
     @property
