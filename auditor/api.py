@@ -123,15 +123,14 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
 
 def _ceilings(decisions, weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, domain,
               progress: bool, row_error: float = 0.0, bias_error: float = 0.0) -> None:
-    """Probability ceilings for the requested tokens, started from each token's own row."""
+    """Probability ceilings for the requested tokens."""
     from tqdm import tqdm
 
     from auditor.engine.ceiling import probability_ceilings
 
     clock = time.perf_counter()
-    start = weight[torch.as_tensor(ids, device=weight.device)].clone()
     with tqdm(total=len(ids), desc="ceilings", file=sys.stderr, disable=not progress, leave=False, unit="tok") as bar:
-        found = probability_ceilings(weight, bias, ids, domain, start, progress=bar, row_error=row_error,
+        found = probability_ceilings(weight, bias, ids, domain, progress=bar, row_error=row_error,
                                      bias_error=bias_error)
     for j, k in enumerate(ids.tolist()):
         decisions.ceiling[k] = (float(found.lower[j]), float(found.upper[j]), found.point[j])
