@@ -46,7 +46,7 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     ``undecided``. ``probability_ceiling=True`` (bounded domains only) also
     sets ``tokens[k].max_probability``, the largest softmax probability token k
     reaches in the domain, to within 1e-4, with ``probability_bounds`` and the
-    point that attains the lower bound. ``residual_tol`` is the relative
+    point that reaches at least the lower bound. ``residual_tol`` is the relative
     residual an unargmaxable certificate may rest on (see docs/method.md);
     ``frank_wolfe_iterations``, ``newton_iterations`` and ``lp_rounds`` bound
     the work of those stages (0 skips one; the dual Frank-Wolfe of biased heads
