@@ -79,7 +79,8 @@ class _Buffers:
 
 def _evaluate(weight: torch.Tensor, bias: torch.Tensor | None, k: torch.Tensor, z: torch.Tensor,
               gradient=True, buffers: _Buffers | None = None):
-    """F_k(z) and its gradient for a batch of tokens: products in ``weight``'s precision, the rest in z's.
+    """F_k(z) and its gradient for a batch of tokens: logits and exponentials in ``weight``'s
+    precision, sums, values and gradients in z's.
 
     ``gradient`` is True (for every row) or a function of the values giving a boolean mask of
     the rows that need it; rows left out get NaN. One pass of exponentials over the
@@ -87,31 +88,26 @@ def _evaluate(weight: torch.Tensor, bias: torch.Tensor | None, k: torch.Tensor, 
     buffers = buffers or _Buffers()
     rows = torch.arange(len(k), device=z.device)
     shape = (len(k), weight.shape[0])
-    logits = buffers.get("logits", shape, z.dtype, z.device)
-    if weight.dtype == z.dtype:
-        torch.matmul(z, weight.T, out=logits)
-    else:
-        products = buffers.get("products", shape, weight.dtype, z.device)
-        torch.matmul(z.to(weight.dtype), weight.T, out=products)
-        logits.copy_(products)
+    # in the steering the logits and their exponentials stay in the products' precision (a
+    # bfloat16 product is no more exact than that anyway), the sums go to z's
+    logits = buffers.get("logits", shape, weight.dtype, z.device)
+    torch.matmul(z.to(weight.dtype), weight.T, out=logits)
     if bias is not None:
-        logits += bias[None, :]
-    own = logits[rows, k].clone()
+        logits += bias[None, :].to(weight.dtype)
+    own = logits[rows, k].to(z.dtype)
     logits[rows, k] = -torch.inf
     top = logits.max(dim=1).values
     terms = logits.sub_(top[:, None]).exp_()  # exp(l_i - max): each in (0, 1], the largest 1
-    total = terms.sum(dim=1)
-    value = torch.log(total) + (top - own)
+    total = terms.sum(dim=1).to(z.dtype)  # summed in float32 at least; a dtype= here would copy
+    value = torch.log(total) + (top.to(z.dtype) - own)
     if gradient is True:
         need, chosen = rows, terms
     else:
         need = torch.nonzero(gradient(value)).flatten()
-        chosen = terms[need]
+        chosen = terms if len(need) == len(k) else torch.index_select(
+            terms, 0, need, out=buffers.get("chosen", (len(need), shape[1]), weight.dtype, z.device))
     g = torch.full_like(z, torch.nan)
     if len(need):
-        if chosen.dtype != weight.dtype:
-            narrow = buffers.get("products", tuple(chosen.shape), weight.dtype, z.device)
-            chosen = narrow.copy_(chosen)
         mix = (chosen @ weight).to(z.dtype) / total[need, None]
         g[need] = mix - weight[k[need]].to(z.dtype)
     return value, g
@@ -262,7 +258,7 @@ class _Steering:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         self.weight = weight.to(dtype)
         self.compute = torch.float32 if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float64
-        self.bias = bias.to(self.compute) if bias is not None else None
+        self.bias = bias.to(dtype) if bias is not None else None
         self.buffers = _Buffers()
 
     def evaluate(self, k, z, gradient=True):
