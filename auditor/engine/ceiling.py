@@ -234,8 +234,11 @@ class _GaussianModel:
         pi = torch.softmax(bias, dim=0) if bias is not None else torch.full_like(weight[:, 0], 1.0 / weight.shape[0])
         self.weight = weight
         self.mean = pi @ weight
-        centred = weight - self.mean
-        self.curvature, self.axes = torch.linalg.eigh((centred * pi[:, None]).T @ centred)
+        covariance = torch.zeros(weight.shape[1], weight.shape[1], dtype=weight.dtype, device=weight.device)
+        for s in range(0, weight.shape[0], 4096):  # in blocks: no centred copy of the whole head
+            centred = weight[s:s + 4096] - self.mean
+            covariance += (centred * pi[s:s + 4096, None]).T @ centred
+        self.curvature, self.axes = torch.linalg.eigh(covariance)
         self.curvature.clamp_(min=0.0)
 
     def start(self, k: torch.Tensor, domain: Domain) -> torch.Tensor:
@@ -375,8 +378,6 @@ class _Float32Certifier:
         device = weight.device
         self.weight = weight  # float64: w_k for the gradient
         self.bias = bias
-        self.weight32 = torch.zeros(self.padded, d, dtype=torch.float32, device=device)
-        self.weight32[:n] = weight
         self.bias32 = torch.full((self.padded,), -1e30, dtype=torch.float32, device=device)
         self.bias32[:n] = bias if bias is not None else 0.0
         # the rows, the biases and the rows' norms, for sum_i e_i [w_i, b_i, ||w_i||]
@@ -384,6 +385,7 @@ class _Float32Certifier:
         self.stacked[:n, :d] = weight
         self.stacked[:n, d] = bias if bias is not None else 0.0
         self.stacked[:n, d + 1] = scale.norms * (1 + 2.0**-20)  # rounded up: they bound a rounding error
+        self.weight32 = self.stacked[:, :d]  # a view: products with it are as fast as with a copy
         self.scale = scale
         self.logit_factor = 4 * gamma(d + 8, UNIT_ROUNDOFF_32)
         self.sum_factor = gamma(_CHUNK + 4, UNIT_ROUNDOFF_32)  # a float32 sum of _CHUNK terms, and its products
