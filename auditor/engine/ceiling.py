@@ -37,7 +37,7 @@ import torch
 
 from auditor.domain import Ball, Box, Domain
 from auditor.engine.head import robust_row_norms
-from auditor.engine.rounding import UNIT_ROUNDOFF_32, gamma, safe_norm
+from auditor.engine.rounding import UNIT_ROUNDOFF_32, gamma, ieee_float32_products, safe_norm
 
 _BLOCK_BUDGET = 1 << 25  # float64 entries per token x vocabulary block
 
@@ -98,7 +98,7 @@ def _evaluate(weight: torch.Tensor, bias: torch.Tensor | None, k: torch.Tensor, 
     logits[rows, k] = -torch.inf
     top = logits.max(dim=1).values
     terms = logits.sub_(top[:, None]).exp_()  # exp(l_i - max): each in (0, 1], the largest 1
-    total = terms.sum(dim=1).to(z.dtype)  # summed in float32 at least; a dtype= here would copy
+    total = terms.sum(dim=1).to(z.dtype)  # in the steering rounded to bfloat16 (2^-9, harmless); a dtype= would copy
     value = torch.log(total) + (top.to(z.dtype) - own)
     if gradient is True:
         need, chosen = rows, terms
@@ -171,7 +171,8 @@ def probability_ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: n
     point = np.zeros((count, weight.shape[1]))
     batch = max(1, min(512, _BLOCK_BUDGET // max(weight.shape[0], 1)))
     scale = _Scale(weight, bias, row_error, bias_error, domain)
-    fast = _Steering(weight, bias, steering or steering_dtype(weight.device))
+    # a point or logits past float32's range: the steering too in float64
+    fast = _Steering(weight, bias, steering or (steering_dtype(weight.device) if _fits_float32(scale) else torch.float64))
     model = _GaussianModel(weight, bias) if start is None else None
     exact = _Buffers()  # the float64 evaluations' scratch
     single = _Float32Certifier(weight, bias, scale) if _Float32Certifier.applies(weight, bias, scale) else None
@@ -238,10 +239,15 @@ class _GaussianModel:
         for s in range(0, weight.shape[0], 4096):  # in blocks: no centred copy of the whole head
             centred = weight[s:s + 4096] - self.mean
             covariance += (centred * pi[s:s + 4096, None]).T @ centred
+        self.usable = bool(torch.isfinite(covariance).all()) and bool(torch.isfinite(self.mean).all())
+        if not self.usable:  # rows past float64's range squared: the token's own row is the start
+            return
         self.curvature, self.axes = torch.linalg.eigh(covariance)
         self.curvature.clamp_(min=0.0)
 
     def start(self, k: torch.Tensor, domain: Domain) -> torch.Tensor:
+        if not self.usable:
+            return self.weight[k].clone()
         pull = (self.weight[k] - self.mean) @ self.axes  # w_k - m in the covariance's axes
         # a box is started from the ball through its corners, then clipped
         radius = domain.radius if isinstance(domain, Ball) else domain.reach(self.weight.shape[1])
@@ -259,8 +265,10 @@ class _GaussianModel:
         """A first step length for the search from the model's start: 1 / (4 lambda_max(S)), the model's
         Hessian. On the MiniLM head this takes the steering from 3.4 to 2.5 evaluations per token
         (1 / max ||w_i||^2, the safe default, is a tenth of it there)."""
+        if not self.usable:
+            return None
         top = float(self.curvature.max())
-        return 1.0 / (4 * top) if top > 0 and math.isfinite(1.0 / (4 * top)) else None
+        return 1.0 / (4 * top) if top > 1e-280 else None
 
 
 class _Steering:
@@ -269,7 +277,9 @@ class _Steering:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         self.weight = weight.to(dtype)
         self.compute = torch.float32 if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float64
-        self.bias = bias.to(dtype) if bias is not None else None
+        # shifted by its largest value (which changes no softmax), so that a large common offset does
+        # not cost the narrow precision its resolution
+        self.bias = (bias - bias.max()).to(dtype) if bias is not None else None
         self.buffers = _Buffers()
 
     def evaluate(self, k, z, gradient=True):
@@ -336,6 +346,12 @@ def _certify(weight, bias, k, z, domain, gap, scale: _Scale, buffers: _Buffers |
     return lower.cpu().numpy(), upper.cpu().numpy(), z.cpu().numpy()
 
 
+def _fits_float32(scale: "_Scale") -> bool:
+    """Rows, points and logits well inside float32's normal range (2^-126 .. 2^128)."""
+    return (2.0**-60 < scale.max_norm < 2.0**60 and 2.0**-60 < scale.reach < 2.0**60
+            and scale.max_norm * scale.reach + scale.max_bias < 2.0**60)
+
+
 class _Float32Certifier:
     """Certified bounds at a point from float32 products: a fifth of float64's cost here, and enough
     wherever p_k is near 0 or 1, which is most tokens (the bounds move p by p (1 - p) times their
@@ -360,16 +376,9 @@ class _Float32Certifier:
 
     @staticmethod
     def applies(weight, bias, scale: "_Scale") -> bool:
-        """float32 products are IEEE ones (no TF32 or bfloat16 stand-ins) and the logits stay far
-        from float32's overflow and underflow."""
-        if torch.get_float32_matmul_precision() != "highest":
-            return False
-        for backend in (torch.backends.cuda.matmul, getattr(torch.backends.mkldnn, "matmul", None)):
-            if getattr(backend, "fp32_precision", "none") not in ("none", "ieee"):
-                return False
-        if weight.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
-            return False
-        return 2.0**-60 < scale.max_norm and scale.max_norm * scale.reach + scale.max_bias < 2.0**60
+        """The rows, the points and the logits stay far from float32's overflow and underflow (its
+        products are kept IEEE ones by ``ieee_float32_products`` around every use)."""
+        return _fits_float32(scale)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scale: "_Scale"):
         n, d = weight.shape
@@ -391,12 +400,14 @@ class _Float32Certifier:
         self.sum_factor = gamma(_CHUNK + 4, UNIT_ROUNDOFF_32)  # a float32 sum of _CHUNK terms, and its products
         self.exp_error = -math.log1p(-_EXP_ROUNDING_32)
         self.underflow = n * 2.0**-126  # exponentials below float32's normal range, all together
+        self.subnormal = 2 * math.sqrt(d) * 2.0**-126
 
     def _blocked_sum(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], -1, _CHUNK).sum(dim=2).to(torch.float64).sum(dim=1)
 
     def certify(self, k, z, domain, gap, buffers: "_Buffers"):
-        lower, upper = self.evaluate(k, z, domain, gap, buffers)[2:]
+        with ieee_float32_products():
+            lower, upper = self.evaluate(k, z, domain, gap, buffers)[2:]
         return lower.cpu().numpy(), upper.cpu().numpy(), z.cpu().numpy()
 
     def evaluate(self, k, z, domain, gap, buffers: "_Buffers"):
@@ -417,8 +428,11 @@ class _Float32Certifier:
         total = self._blocked_sum(e)  # E >= 1: the largest rival has y = 0
         scale = self.scale
         size = safe_norm(z, dim=1)
+        # entries of the rows or the point below float32's normal range are off by up to 2^-126
+        # each, not by a relative u, and so is every product that underflows
         logit_error = (self.logit_factor * (scale.max_norm * size + scale.max_bias)
-                       + 2 * (scale.row_error * size + scale.bias_error) + 1e-30)
+                       + 2 * (scale.row_error * size + scale.bias_error)
+                       + self.subnormal * (scale.max_norm + size + self.d + 8))
         log_total = torch.log(total)
         value = top.to(torch.float64) - own + log_total  # F_k at z from the computed logits
         # F_k(z) <= value + errors: the logits; exp's rounding (sum e^y <= E / (1 - d), plus what
@@ -462,9 +476,11 @@ class _Float32Certifier:
         # logarithm and s_D well inside the last term, with what underflowed
         slack = (scale.reach * (3 * self.sum_factor * norm_mass + 2 * scale.row_error)
                  + 3 * self.sum_factor * scale.max_bias + 2 * scale.bias_error
-                 + self.underflow * (2 + scale.reach * scale.max_norm + scale.max_bias)
+                 + self.underflow * (2 + scale.reach * (scale.max_norm + math.sqrt(self.d)) + scale.max_bias)
+                 + self.subnormal * (scale.reach + 1)
                  + 1e-12 * (1 + bound.abs() + support + entropy.abs()))
-        return _probability_above(bound - slack), v
+        upper = _probability_above(bound - slack)
+        return torch.where(torch.isnan(upper), torch.ones_like(upper), upper), v
 
 
 _CHUNK = 256  # rivals per float32 sum: gamma_260 ~ 1.5e-5
@@ -519,7 +535,7 @@ def _spg(evaluate, k, z, domain, gap, iterations, max_norm, scale: _Scale | None
     best_lower, best_upper = bounds_at(k, value, gradient, z)
     best_upper = torch.where(torch.isfinite(best_upper), best_upper, torch.ones_like(best_upper))
     best_z = z.clone()
-    step = torch.full_like(value, first_step or 1.0 / max(max_norm, 1e-150) ** 2)
+    step = torch.full_like(value, min(first_step or 1.0 / max(max_norm, 1e-150) ** 2, torch.finfo(z.dtype).max ** 0.5))
     recent = value[:, None].repeat(1, _MEMORY)  # the last values, for the non-monotone test
     for _ in range(iterations):
         active = best_upper - best_lower > gap

@@ -50,3 +50,36 @@ def proves_positive(margin, tolerance, unit: float = UNIT_ROUNDOFF):
     Works on floats and on tensors alike.
     """
     return margin * (1.0 - unit) > tolerance
+
+
+class ieee_float32_products:
+    """Keep float32 matrix products in float32 (no TF32 or bfloat16 stand-ins) inside the block: the
+    float32 rounding bounds assume float32 inputs and float32 (or better) accumulation.
+
+    torch has two ways to lower that precision: the global ``set_float32_matmul_precision`` and,
+    newer, each backend's ``fp32_precision``. Once the second has been used, the first's getter
+    raises; so the block sets whichever is in use, and puts back what it found."""
+
+    def __enter__(self):
+        import torch
+
+        self.legacy = None
+        self.backends = []
+        try:
+            self.legacy = torch.get_float32_matmul_precision()
+        except RuntimeError:  # the per-backend settings are in use
+            for backend in (torch.backends.cuda.matmul, getattr(torch.backends.mkldnn, "matmul", None)):
+                if backend is not None and hasattr(backend, "fp32_precision"):
+                    self.backends.append((backend, backend.fp32_precision))
+                    backend.fp32_precision = "ieee"
+        else:
+            torch.set_float32_matmul_precision("highest")
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.legacy is not None:
+            torch.set_float32_matmul_precision(self.legacy)
+        for backend, precision in reversed(self.backends):
+            backend.fp32_precision = precision

@@ -31,8 +31,8 @@ import torch
 from auditor.domain import Ball
 from auditor.engine.certify import check_witnesses_sharpened, derived_error, inside_domain
 from auditor.engine.head import EngineHead
-from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, logit_error_factor,
-                                     proves_positive, safe_norm, underflow_floor)
+from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, ieee_float32_products,
+                                     logit_error_factor, proves_positive, safe_norm, underflow_floor)
 
 _BLOCK_BUDGET = 1 << 24  # entries per chunk x n block (64 MiB in float32); two blocks live at once with a bias
 _SHIFTS = (0.0, 1.0)
@@ -70,7 +70,7 @@ def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
     # Reused blocks: a fresh large allocation per chunk costs more in page faults than the reductions.
     gram = torch.empty(chunk, head.n, dtype=arithmetic.dtype, device=head.device)
     scratch = torch.empty_like(gram) if head.bias is not None else None
-    with _exact_float32_products():
+    with ieee_float32_products():
         for start in range(0, count, chunk):
             part = slice(start, min(start + chunk, count))
             rows = part.stop - part.start
@@ -153,16 +153,6 @@ class _Arithmetic:
         return rounded.to(torch.float64)
 
 
-class _exact_float32_products:
-    """Keep float32 matrix products in float32 (no TF32 or bfloat16 shortcuts) while the pass runs:
-    the rounding bound assumes float32 inputs and float32 (or better) accumulation."""
-
-    def __enter__(self):
-        self.saved = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
-
-    def __exit__(self, *exc):
-        torch.set_float32_matmul_precision(self.saved)
 def _candidate_scales(head: EngineHead, directions: torch.Tensor) -> list[torch.Tensor]:
     """Scales s to try for each direction (one tensor of per-token scales per rung)."""
     domain = head.domain
