@@ -353,7 +353,7 @@ def _fits_float32(scale: "_Scale") -> bool:
 
 
 class _Float32Certifier:
-    """Certified bounds at a point from float32 products: a fifth of float64's cost here, and enough
+    """Certified bounds at a point from float32 products: half of float64's cost here or less, and enough
     wherever p_k is near 0 or 1, which is most tokens (the bounds move p by p (1 - p) times their
     error in F_k). Tokens it leaves wider than the gap go on in float64.
 
