@@ -217,7 +217,9 @@ def test_float32_stands_aside_where_logits_leave_its_range():
 def test_heads_at_the_edges_of_float32_and_float64_get_sound_bounds(rng, rows, radius, bias_gap):
     """Rows and radii far outside float32's range, or one bias far above the rest (the Gaussian model's
     curvature then underflows, its first step would not fit float32): no crash, no NaN, and every bound
-    holds p_k at the reported point; where the head is only rescaled, the bounds are those of the plain head."""
+    holds p_k at the reported point; where the head is only rescaled, the bounds are within the gap and
+    agree with the plain head's (the search's acceptance test once carried the step length, which made it
+    refuse every step of a head scaled by 1e-40 in a ball of 1e40)."""
     W = rng.standard_normal((6, 4))
     b = np.r_[bias_gap, np.zeros(5)]
     report = auditor.audit(W * rows, b, domain=f"ball:{radius!r}", probability_ceiling=True, progress=False)
@@ -232,6 +234,7 @@ def test_heads_at_the_edges_of_float32_and_float64_get_sound_bounds(rng, rows, r
     if rows * radius == 1.0 and bias_gap == 0.0:
         plain = auditor.audit(W, b, domain="ball:1", probability_ceiling=True, progress=False)
         for token, twin in zip(report.tokens, plain.tokens):
+            assert token.probability_bounds[1] - token.probability_bounds[0] <= 1e-4
             assert twin.probability_bounds[0] - 1e-4 <= token.probability_bounds[1]
             assert token.probability_bounds[0] - 1e-4 <= twin.probability_bounds[1]
 

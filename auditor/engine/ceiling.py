@@ -544,7 +544,9 @@ def _spg(evaluate, k, z, domain, gap, iterations, max_norm, scale: _Scale | None
         idx = torch.nonzero(active).flatten()
         zi = _project(domain, z[idx] - step[idx, None] * gradient[idx])
         vi, gi = evaluate(k[idx], zi, open_at(k[idx], zi))
-        accept = vi <= recent[idx].max(dim=1).values - 1e-4 * (step[idx] * (gradient[idx] * (z[idx] - zi)).sum(dim=1)).abs()
+        # sufficient decrease against the worst recent value, 1e-4 of the first-order decrease: no
+        # step length in it, so that the test does not change when the head or the domain is rescaled
+        accept = vi <= recent[idx].max(dim=1).values - 1e-4 * (gradient[idx] * (z[idx] - zi)).sum(dim=1).abs()
         accept &= torch.isfinite(vi)
         dz, dg = zi - z[idx], gi - gradient[idx]
         curvature = (dz * dg).sum(dim=1)
