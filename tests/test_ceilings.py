@@ -124,7 +124,7 @@ def float32_and_float64_bounds(W, b, domain, points):
     weight = torch.as_tensor(W, dtype=torch.float64)
     bias = torch.as_tensor(b, dtype=torch.float64)
     scale = ceiling._Scale(weight, bias, 0.0, 0.0, domain)
-    assert ceiling._Float32Certifier.applies(weight, bias, scale)
+    assert ceiling._fits_float32(scale)
     single = ceiling._Float32Certifier(weight, bias, scale)
     k = torch.arange(W.shape[0])
     z = ceiling._project(domain, torch.as_tensor(points, dtype=torch.float64))
@@ -209,7 +209,7 @@ def test_float32_stands_aside_where_logits_leave_its_range():
     for factor in (2.0**70, 2.0**-70):
         weight = torch.eye(3, dtype=torch.float64) * factor
         scale = ceiling._Scale(weight, None, 0.0, 0.0, auditor.Ball(1.0))
-        assert not ceiling._Float32Certifier.applies(weight, None, scale)
+        assert not ceiling._fits_float32(scale)
 
 
 @pytest.mark.parametrize("rows,radius,bias_gap", [(1e100, 1e-100, 0.0), (1e160, 1.0, 0.0), (1.0, 1e60, 0.0),

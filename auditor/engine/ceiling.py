@@ -16,9 +16,11 @@ every one of the 30,524 rivals is within 20 of the leading logit at the best
 point), so every evaluation costs two products with the whole head and n
 exponentials per token. The search therefore runs in a fast steering precision
 (bfloat16 products where the hardware has them, float32 otherwise; nothing it
-computes is trusted), and each token's best steering point is then evaluated
-once in float64, which gives both certified bounds; a token whose lower bound is
-already within the gap of 1 needs no gradient. Spectral projected gradient
+computes is trusted), from the minimiser of a Gaussian model of the rivals, and
+each token's best steering point is then certified once in float32 (the upper
+bound from Gibbs' inequality, _Float32Certifier), or in float64 where float32
+cannot hold the head; a token whose lower bound is already within the gap of 1
+needs no gradient. Spectral projected gradient
 (Barzilai-Borwein steps with a non-monotone acceptance test), batched over
 tokens, drives both the steering and, in float64, the tokens whose certified
 bounds are still further apart than the gap; the few still open after that get
@@ -174,15 +176,18 @@ def probability_ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: n
     # a point or logits past float32's range: the steering too in float64
     fast = _Steering(weight, bias, steering or (steering_dtype(weight.device) if _fits_float32(scale) else torch.float64))
     model = _GaussianModel(weight, bias) if start is None else None
+    first_step = model.first_step() if model is not None else None
     exact = _Buffers()  # the float64 evaluations' scratch
-    single = _Float32Certifier(weight, bias, scale) if _Float32Certifier.applies(weight, bias, scale) else None
+    # float32 certification where rows, points and logits stay far from its range's ends (its
+    # products are kept IEEE ones by ``ieee_float32_products`` around every use)
+    single = _Float32Certifier(weight, bias, scale) if _fits_float32(scale) else None
     for s in range(0, count, batch):
         part = slice(s, min(s + batch, count))
         k = torch.as_tensor(ids[part], device=weight.device)
         z = model.start(k, domain) if model is not None else start[part].to(torch.float64)
         z = _project(domain, z)
         z = _spg(fast.evaluate, k, z.to(fast.compute), domain, gap * _STEERING_GAP, _STEERING_ITERATIONS,
-                 scale.max_norm, first_step=model.first_step() if model is not None else None)[2]
+                 scale.max_norm, first_step=first_step)[2]
         z = _project(domain, z.to(torch.float64))
         if single is not None:
             lower[part], upper[part], point[part] = single.certify(k, z, domain, gap, exact)
@@ -197,8 +202,7 @@ def probability_ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: n
         part = left[s:s + batch]
         k = torch.as_tensor(ids[part], device=weight.device)
         z = torch.as_tensor(point[part], device=weight.device)
-        lo, up, zz = _solve_batch(weight, bias, k, z, domain, gap, iterations, scale, exact,
-                                  model.first_step() if model is not None else None)
+        lo, up, zz = _solve_batch(weight, bias, k, z, domain, gap, iterations, scale, exact, first_step)
         better = lo > lower[part]
         lower[part] = np.maximum(lo, lower[part])
         upper[part] = np.minimum(up, upper[part])
@@ -374,12 +378,6 @@ class _Float32Certifier:
     of _CHUNK terms too (all terms of one sign: relative error gamma), added up in float64:
     float32 tensors summed into float64 directly cost thirty times more here."""
 
-    @staticmethod
-    def applies(weight, bias, scale: "_Scale") -> bool:
-        """The rows, the points and the logits stay far from float32's overflow and underflow (its
-        products are kept IEEE ones by ``ieee_float32_products`` around every use)."""
-        return _fits_float32(scale)
-
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scale: "_Scale"):
         n, d = weight.shape
         self.n, self.d = n, d
@@ -406,14 +404,13 @@ class _Float32Certifier:
         return x.view(x.shape[0], -1, _CHUNK).sum(dim=2).to(torch.float64).sum(dim=1)
 
     def certify(self, k, z, domain, gap, buffers: "_Buffers"):
+        """The certified bounds at z, as numpy arrays with the points: the upper bound only where the
+        lower bound is not already within ``gap`` of 1 (elsewhere 1)."""
         with ieee_float32_products():
-            lower, upper = self.evaluate(k, z, domain, gap, buffers)[2:]
+            lower, upper = self._bounds(k, z, domain, gap, buffers)
         return lower.cpu().numpy(), upper.cpu().numpy(), z.cpu().numpy()
 
-    def evaluate(self, k, z, domain, gap, buffers: "_Buffers"):
-        """F_k(z) from the computed logits, its gradient, and the certified bounds: the gradient and
-        the upper bound only where the lower bound is not already within ``gap`` of 1 (elsewhere NaN
-        and 1)."""
+    def _bounds(self, k, z, domain, gap, buffers: "_Buffers"):
         rows = torch.arange(len(k), device=z.device)
         shape = (len(k), self.padded)
         logits = buffers.get("logits32", shape, torch.float32, z.device)
@@ -441,19 +438,17 @@ class _Float32Certifier:
                        + scale.summation * (1 + value.abs()))
         lower = _probability_below(value_above)
         upper = torch.ones_like(lower)
-        gradient = torch.full_like(z, torch.nan)
         need = torch.nonzero(~(lower >= 1 - gap)).flatten()  # the rest: 1 is within the gap of lower
         if len(need):
             if len(need) < len(k):  # into held buffers: fresh tensors this size cost their page faults
                 part = (len(need), self.padded)
                 y = torch.index_select(y, 0, need, out=buffers.get("y32", part, torch.float32, z.device))
                 e = torch.index_select(e, 0, need, out=buffers.get("e32", part, torch.float32, z.device))
-            upper[need], gradient[need] = self._gibbs_bound(k[need], y, e, total[need], domain)
-        return value, gradient, lower, upper
+            upper[need] = self._gibbs_bound(k[need], y, e, total[need], domain)
+        return lower, upper
 
     def _gibbs_bound(self, k, y, e, total, domain):
-        """An upper bound on max_D p_k from Gibbs' inequality at q = e / E (see the class's text),
-        and sum_i q_i w_i - w_k: the gradient of F_k at the point, as far as the logits are exact."""
+        """An upper bound on max_D p_k from Gibbs' inequality at q = e / E (see the class's text)."""
         d = self.d
         # sum_i e_i y_i: every term <= 0, so a float32 block sum is within gamma of it, the products within u
         entropy_part = self._blocked_sum(torch.mul(e, y, out=y)).neg_()  # -sum e_i y_i >= 0
@@ -480,7 +475,7 @@ class _Float32Certifier:
                  + self.subnormal * (scale.reach + 1)
                  + 1e-12 * (1 + bound.abs() + support + entropy.abs()))
         upper = _probability_above(bound - slack)
-        return torch.where(torch.isnan(upper), torch.ones_like(upper), upper), v
+        return torch.where(torch.isnan(upper), torch.ones_like(upper), upper)
 
 
 _CHUNK = 256  # rivals per float32 sum: gamma_260 ~ 1.5e-5
