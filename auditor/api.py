@@ -13,7 +13,8 @@ import torch
 from auditor._input import check_options, prepare_inputs, prepare_token_ids, resolve_device
 from auditor._threads import applying_threads
 from auditor.domain import Ball, Domain, Norm, parse_domain
-from auditor.engine import INCONCLUSIVE, STAGES, UNARGMAXABLE, EngineOptions, decide
+from auditor.engine import ARGMAXABLE, INCONCLUSIVE, STAGES, UNARGMAXABLE, UNDECIDED, EngineOptions, decide
+from auditor.engine.ties import duplicate_groups
 from auditor.errors import InputError
 from auditor.factorised import is_factor_pair, split_factors
 from auditor.norm import FinalNorm, NormMap, exact_ties, output_error, reduce_head
@@ -92,9 +93,14 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
         norm_map = NormMap(final_norm, reduced)
         ties = exact_ties(w64, b64, reduced, final_norm)
         row_error = reduced.row_error + output_error(w.shape[1]) * torch.linalg.vector_norm(reduced.weight, dim=1)
+        ceilings, rest = None, ids
+        if probability_ceiling:  # first: their certified points also prove most tokens argmaxable
+            ceilings = _ceilings(reduced.weight, reduced.bias, ids, Ball(reduced.radius), progress,
+                                 float(row_error.max()), float(reduced.bias_error.max()))
+            rest = _not_won(ids, ceilings[0], ties)
         # Tokens whose dual value is zero up to rounding (rows inside the hull: the reduced bias W beta is
         # linear in the rows, so their bias gap is too) are settled in R^d first, the LP only if that fails.
-        decisions = decide(reduced.weight, reduced.bias, ids, Ball(reduced.radius),
+        decisions = decide(reduced.weight, reduced.bias, rest, Ball(reduced.radius),
                            dataclasses.replace(options, defer_flat=True), progress, row_error,
                            reduced.bias_error, representative=ties)
         clock = time.perf_counter()
@@ -104,14 +110,16 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
             _take(decisions, decide(reduced.weight, reduced.bias, left, Ball(reduced.radius), options, progress,
                                     row_error, reduced.bias_error, representative=ties), left)
         decisions.timings["hull_fallback"] = time.perf_counter() - clock
-        if probability_ceiling:
-            _ceilings(decisions, reduced.weight, reduced.bias, ids, Ball(reduced.radius), progress,
-                      float(reduced.row_error.max()), float(reduced.bias_error.max()))
         del reduced
     else:
-        decisions = decide(w, b64, ids, parsed_domain, options, progress)
+        groups, ceilings, rest = None, None, ids
         if probability_ceiling:
-            _ceilings(decisions, w.to(torch.float64), b64, ids, parsed_domain, progress)
+            groups = duplicate_groups(w, b64)
+            ceilings = _ceilings(w.to(torch.float64), b64, ids, parsed_domain, progress)
+            rest = _not_won(ids, ceilings[0], groups)
+        decisions = decide(w, b64, rest, parsed_domain, options, progress, representative=groups)
+    if ceilings is not None:
+        _record_ceilings(decisions, ids, *ceilings)
     timings = dict(decisions.timings)
     report = AuditReport(decisions, _row_reader(weight), n_tokens=w.shape[0], hidden_size=w.shape[1],
                          dtype=dtype, has_bias=b64 is not None, domain=parsed_domain, device=str(chosen),
@@ -121,9 +129,9 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     return report
 
 
-def _ceilings(decisions, weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, domain,
-              progress: bool, row_error: float = 0.0, bias_error: float = 0.0) -> None:
-    """Probability ceilings for the requested tokens."""
+def _ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, domain, progress: bool,
+              row_error: float = 0.0, bias_error: float = 0.0):
+    """Probability ceilings for the requested tokens, and the seconds they took."""
     from tqdm import tqdm
 
     from auditor.engine.ceiling import probability_ceilings
@@ -132,9 +140,31 @@ def _ceilings(decisions, weight: torch.Tensor, bias: torch.Tensor | None, ids: n
     with tqdm(total=len(ids), desc="ceilings", file=sys.stderr, disable=not progress, leave=False, unit="tok") as bar:
         found = probability_ceilings(weight, bias, ids, domain, progress=bar, row_error=row_error,
                                      bias_error=bias_error)
+    return found, time.perf_counter() - clock
+
+
+def _not_won(ids: np.ndarray, found, representative: np.ndarray) -> np.ndarray:
+    """The tokens the ceilings did not prove argmaxable: for those left, the verdict stages.
+
+    A token whose certified point makes its logit the strict maximum is argmaxable with that
+    point as its witness (the check is the screen's, from the same float32 rounding bounds, see
+    ceiling._Float32Certifier). Only tokens without a copy are taken: a tied token never wins."""
+    alone = (representative == np.arange(representative.size)) & (np.bincount(representative)[representative] == 1)
+    won = (found.margin > 0) & alone[ids]
+    return ids[~won]
+
+
+def _record_ceilings(decisions, ids: np.ndarray, found, seconds: float) -> None:
+    """Every requested token's ceiling; the argmaxable verdict of the tokens the ceilings proved."""
     for j, k in enumerate(ids.tolist()):
         decisions.ceiling[k] = (float(found.lower[j]), float(found.upper[j]), found.point[j])
-    decisions.timings["ceilings"] = time.perf_counter() - clock
+        if decisions.verdict[k] == UNDECIDED and found.margin[j] > 0:
+            decisions.verdict[k] = ARGMAXABLE
+            decisions.explicit_witness[k] = found.witness(j)
+            decisions.margin[k] = float(found.margin[j])
+            decisions.runner_up[k] = int(found.runner_up[j])
+            decisions.stage[k] = STAGES.index("ceiling")
+    decisions.timings["ceilings"] = seconds
 
 
 def _take(decisions, again, ids: np.ndarray) -> None:

@@ -44,7 +44,7 @@ from auditor.engine.tilt import tilted_certificates
 UNDECIDED, ARGMAXABLE, UNARGMAXABLE, TIED, INCONCLUSIVE = range(5)
 VERDICT_NAMES = ("undecided", "argmaxable", "unargmaxable", "tied", "inconclusive")
 _DUAL_FACTOR = 4
-STAGES = ("", "single row", "screen", "interior", "frank-wolfe", "lp", "unbounded hull", "newton")
+STAGES = ("", "single row", "screen", "interior", "frank-wolfe", "lp", "unbounded hull", "newton", "ceiling")
 
 
 @dataclass

@@ -32,7 +32,7 @@ others never passes 1/m.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -49,6 +49,16 @@ class Ceilings:
     lower: np.ndarray  # p_k at the best point found (a probability the token does reach)
     upper: np.ndarray  # a bound no point of the domain exceeds
     point: np.ndarray  # B x d: the points attaining ``lower``
+    # Where the float32 certification also proved that token k's logit is the strict maximum at a point
+    # (a witness of argmaxability, as the screen's): margin > 0, a lower bound on l_k - max_i l_i there
+    # (-inf elsewhere), the rival closest to winning, and the point when the search went on past it.
+    margin: np.ndarray | None = None
+    runner_up: np.ndarray | None = None
+    moved: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def witness(self, j: int) -> np.ndarray:
+        """The point at which ``margin[j]`` was proved."""
+        return self.moved.get(j, self.point[j])
 
 
 def _project(domain: Domain, z: torch.Tensor) -> torch.Tensor:
@@ -56,6 +66,12 @@ def _project(domain: Domain, z: torch.Tensor) -> torch.Tensor:
         norm = torch.linalg.vector_norm(z, dim=1, keepdim=True)
         return z * torch.clamp((1 - 1e-12) * domain.radius / torch.clamp(norm, min=1e-300), max=1.0)
     return z.clamp(-domain.radius, domain.radius)
+
+
+def _inside(domain: Domain, z: torch.Tensor) -> torch.Tensor:
+    if isinstance(domain, Ball):
+        return safe_norm(z, dim=1) <= domain.radius
+    return z.abs().amax(dim=1) <= domain.radius
 
 
 def _support(domain: Domain, v: torch.Tensor) -> torch.Tensor:
@@ -165,12 +181,17 @@ def probability_ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: n
     count = len(ids)
     if weight.shape[0] == 1:  # no rival: the only token has probability 1 everywhere
         point = weight[torch.as_tensor(ids, device=weight.device)] if start is None else start
-        return Ceilings(np.ones(count), np.ones(count), _project(domain, point.to(torch.float64)).cpu().numpy())
+        return Ceilings(np.ones(count), np.ones(count), _project(domain, point.to(torch.float64)).cpu().numpy(),
+                        np.full(count, -np.inf), np.full(count, -1, dtype=np.int64))
     weight = weight.to(torch.float64)
     bias = bias.to(torch.float64) if bias is not None else None
     lower = np.zeros(count)
     upper = np.ones(count)
     point = np.zeros((count, weight.shape[1]))
+    margin = np.full(count, -np.inf)
+    runner_up = np.full(count, -1, dtype=np.int64)
+    moved: dict[int, np.ndarray] = {}
+    beyond = np.zeros(count, dtype=bool)  # float32's allowance alone too wide for the gap
     batch = max(1, min(512, _BLOCK_BUDGET // max(weight.shape[0], 1)))
     scale = _Scale(weight, bias, row_error, bias_error, domain)
     # a point or logits past float32's range: the steering too in float64
@@ -186,27 +207,38 @@ def probability_ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: n
         k = torch.as_tensor(ids[part], device=weight.device)
         z = model.start(k, domain) if model is not None else start[part].to(torch.float64)
         z = _project(domain, z)
-        z = _spg(fast.evaluate, k, z.to(fast.compute), domain, gap * _STEERING_GAP, _STEERING_ITERATIONS,
-                 scale.max_norm, first_step=first_step)[2]
+        z = _spg(_steering_run(fast.evaluate, domain, gap * _STEERING_GAP), k, z.to(fast.compute), domain,
+                 gap * _STEERING_GAP, _STEERING_ITERATIONS, scale.max_norm, first_step)[2]
         z = _project(domain, z.to(torch.float64))
         if single is not None:
-            lower[part], upper[part], point[part] = single.certify(k, z, domain, gap, exact)
+            (lower[part], upper[part], point[part], margin[part], runner_up[part],
+             beyond[part]) = single.certify(k, z, domain, gap, exact)
         else:
             lower[part], upper[part], point[part] = _certify(weight, bias, k, z, domain, gap, scale, exact)
         if progress is not None:
             progress.update(part.stop - part.start)
-    # where the steering's point is not close enough, or float32 not: on in float64 from it, every
-    # iterate certified, in full batches
-    left = np.nonzero(upper - lower > gap)[0]
-    for s in range(0, left.size, batch):
-        part = left[s:s + batch]
-        k = torch.as_tensor(ids[part], device=weight.device)
-        z = torch.as_tensor(point[part], device=weight.device)
-        lo, up, zz = _solve_batch(weight, bias, k, z, domain, gap, iterations, scale, exact, first_step)
-        better = lo > lower[part]
-        lower[part] = np.maximum(lo, lower[part])
-        upper[part] = np.minimum(up, upper[part])
-        point[part[better]] = zz[better]
+
+    def go_on(left: np.ndarray, run, limit: int) -> None:
+        """On from the tokens' best points with every iterate certified, in full batches."""
+        for s in range(0, left.size, batch):
+            part = left[s:s + batch]
+            k = torch.as_tensor(ids[part], device=weight.device)
+            z = torch.as_tensor(point[part], device=weight.device)
+            lo, up, zz = (t.cpu().numpy() for t in _spg(run, k, z, domain, gap, limit, scale.max_norm, first_step))
+            better = lo > lower[part]
+            lower[part] = np.maximum(lo, lower[part])
+            upper[part] = np.minimum(up, upper[part])
+            for j in part[better & (margin[part] > 0)].tolist():  # the witness stays where it was proved
+                moved[j] = point[j].copy()
+            point[part[better]] = zz[better]
+
+    # where the steering's point is not close enough: on in float32 where its allowance leaves room
+    # (the steering's bfloat16 estimates cannot resolve the last 1e-4 of p in mid-range), then in
+    # float64 for what is still open
+    if single is not None:
+        go_on(np.nonzero((upper - lower > gap) & ~beyond)[0],
+              lambda kk, zz: single.evaluate(kk, zz, domain, gap, exact), _FLOAT32_ITERATIONS)
+    go_on(np.nonzero(upper - lower > gap)[0], _float64_run(weight, bias, domain, gap, scale, exact), iterations)
     wide = np.nonzero(upper - lower > gap)[0][:_EXACT_LIMIT]
     for j in wide.tolist():  # the few that first-order steps leave open: an interior-point solve
         z = _cvxpy_point(weight, bias, int(ids[j]), domain)
@@ -214,12 +246,15 @@ def probability_ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: n
             k = torch.as_tensor(ids[j:j + 1], device=weight.device)
             lo, up, zz = _solve_batch(weight, bias, k, _project(domain, z[None, :]), domain, gap, 50, scale)
             if lo[0] > lower[j]:  # the point stays with the bound reached at it
+                if margin[j] > 0 and j not in moved:
+                    moved[j] = point[j].copy()
                 lower[j], point[j] = lo[0], zz[0]
             upper[j] = min(up[0], upper[j])
-    return Ceilings(lower, upper, point)
+    return Ceilings(lower, upper, point, margin, runner_up, moved)
 
 
 _EXACT_LIMIT = 64
+_FLOAT32_ITERATIONS = 20
 _STEERING_ITERATIONS = 12
 _STEERING_GAP = 0.5  # of the gap: the steering's estimates are not certified, so it aims closer
 
@@ -394,7 +429,8 @@ class _Float32Certifier:
         self.stacked[:n, d + 1] = scale.norms * (1 + 2.0**-20)  # rounded up: they bound a rounding error
         self.weight32 = self.stacked[:, :d]  # a view: products with it are as fast as with a copy
         self.scale = scale
-        self.logit_factor = 4 * gamma(d + 8, UNIT_ROUNDOFF_32)
+        self.logit_factor = gamma(d + 8, UNIT_ROUNDOFF_32)  # one logit: inputs, d products, the bias
+        self.shift_factor = 3 * UNIT_ROUNDOFF_32  # y_i = fl(l_i - top): u |l_i - top| <= 2 u (max |l|)
         self.sum_factor = gamma(_CHUNK + 4, UNIT_ROUNDOFF_32)  # a float32 sum of _CHUNK terms, and its products
         self.exp_error = -math.log1p(-_EXP_ROUNDING_32)
         self.underflow = n * 2.0**-126  # exponentials below float32's normal range, all together
@@ -407,8 +443,17 @@ class _Float32Certifier:
         """The certified bounds at z, as numpy arrays with the points: the upper bound only where the
         lower bound is not already within ``gap`` of 1 (elsewhere 1)."""
         with ieee_float32_products():
-            lower, upper = self._bounds(k, z, domain, gap, buffers)
-        return lower.cpu().numpy(), upper.cpu().numpy(), z.cpu().numpy()
+            found = self._bounds(k, z, domain, gap, buffers)
+        return (found.lower.cpu().numpy(), found.upper.cpu().numpy(), z.cpu().numpy(), found.margin.cpu().numpy(),
+                found.runner_up.cpu().numpy(), (found.floor > _FLOAT32_REACH * gap).cpu().numpy())
+
+    def evaluate(self, k, z, domain, gap, buffers: "_Buffers"):
+        """For the search: F_k at z from the computed logits, its gradient (NaN where the lower bound is
+        within ``gap`` of 1), the certified bounds, and whether float32's own allowance keeps them wider
+        than ``_FLOAT32_REACH`` of the gap."""
+        with ieee_float32_products():
+            found = self._bounds(k, z, domain, gap, buffers)
+        return found.value, found.gradient, found.lower, found.upper, found.floor > _FLOAT32_REACH * gap
 
     def _bounds(self, k, z, domain, gap, buffers: "_Buffers"):
         rows = torch.arange(len(k), device=z.device)
@@ -418,34 +463,58 @@ class _Float32Certifier:
         logits += self.bias32[None, :]
         own = logits[rows, k].to(torch.float64)
         logits[rows, k] = -torch.inf
-        top = logits.max(dim=1).values
+        top, runner_up = logits.max(dim=1)
+        scale = self.scale
+        size = safe_norm(z, dim=1)
+        # token k wins at z where its computed lead over the top rival is more than both logits' errors
+        # (a float64 difference of float32 numbers: exact but for a far-apart pair's last bit)
+        lead = (own - top.to(torch.float64)) * (1 - 2.0**-50)
+        margin = lead - self._logit_error(k, size, scale.max_norm, scale.max_bias) - self._common_error(size, shift=False)
+        margin = torch.where((margin > 0) & _inside(domain, z), margin, torch.full_like(margin, -torch.inf))
         y = logits.sub_(top[:, None])  # y_i <= 0, the largest 0
         e = torch.exp(y, out=buffers.get("terms32", shape, torch.float32, z.device))  # 0 at k
         y[rows, k] = 0.0  # so that e_k y_k = 0
         total = self._blocked_sum(e)  # E >= 1: the largest rival has y = 0
-        scale = self.scale
-        size = safe_norm(z, dim=1)
-        # entries of the rows or the point below float32's normal range are off by up to 2^-126
-        # each, not by a relative u, and so is every product that underflows
-        logit_error = (self.logit_factor * (scale.max_norm * size + scale.max_bias)
-                       + 2 * (scale.row_error * size + scale.bias_error)
-                       + self.subnormal * (scale.max_norm + size + self.d + 8))
         log_total = torch.log(total)
         value = top.to(torch.float64) - own + log_total  # F_k at z from the computed logits
         # F_k(z) <= value + errors: the logits; exp's rounding (sum e^y <= E / (1 - d), plus what
         # underflowed to 0 or a subnormal: under 2^-126 each); E's sums
-        value_above = (value + logit_error + self.exp_error + self.underflow + 2 * self.sum_factor
-                       + scale.summation * (1 + value.abs()))
-        lower = _probability_below(value_above)
+        rest = (self.exp_error + self.underflow + 2 * self.sum_factor + scale.summation * (1 + value.abs())
+                + self._common_error(size))
+        lower = _probability_below(value + self._logit_error(k, size, scale.max_norm, scale.max_bias) + rest)
         upper = torch.ones_like(lower)
+        gradient = torch.full_like(z, torch.nan)
+        floor = torch.zeros_like(lower)  # the part of upper - lower that is rounding allowance
         need = torch.nonzero(~(lower >= 1 - gap)).flatten()  # the rest: 1 is within the gap of lower
         if len(need):
             if len(need) < len(k):  # into held buffers: fresh tensors this size cost their page faults
                 part = (len(need), self.padded)
                 y = torch.index_select(y, 0, need, out=buffers.get("y32", part, torch.float32, z.device))
                 e = torch.index_select(e, 0, need, out=buffers.get("e32", part, torch.float32, z.device))
-            upper[need] = self._gibbs_bound(k[need], y, e, total[need], domain)
-        return lower, upper
+            upper[need], norm_mass, gradient[need], bound = self._gibbs_bound(k[need], y, e, total[need], domain)
+            # the rivals' errors weighted by the softmax (Jensen, in the class's text) rather than the largest
+            sharper = _probability_below(value[need] + self._logit_error(k[need], size[need], norm_mass, scale.max_bias)
+                                         + rest[need])
+            lower[need] = torch.maximum(lower[need], sharper)
+            floor[need] = (_probability(value[need]) - lower[need]) + (upper[need] - _probability(bound))
+        return _Certified(value, gradient, lower, upper, margin, runner_up, floor)
+
+    def _logit_error(self, k, size, rival_norm, rival_bias):
+        """Allowance for the logits' rounding in F_k: |e_k| + sum_i q_i |e_i| with the rivals' row norms and
+        biases bounded by ``rival_norm`` and ``rival_bias`` (their largest, or their softmax means)."""
+        scale = self.scale
+        own_bias = self.bias[k].abs() if self.bias is not None else 0.0
+        return self.logit_factor * ((scale.norms[k] + rival_norm) * size + own_bias + rival_bias)
+
+    def _common_error(self, size, shift: bool = True):
+        """The terms of the logits' allowance that every token pays alike: the shift by the top logit
+        (where the logits were shifted), the rows' and biases' own error, and what is below float32's
+        normal range (entries of the rows or the point are off by up to 2^-126 each there, not by a
+        relative u, and so is every product that underflows)."""
+        scale = self.scale
+        return (self.shift_factor * (scale.max_norm * size + scale.max_bias) * shift
+                + 2 * (scale.row_error * size + scale.bias_error)
+                + self.subnormal * (scale.max_norm + size + self.d + 8))
 
     def _gibbs_bound(self, k, y, e, total, domain):
         """An upper bound on max_D p_k from Gibbs' inequality at q = e / E (see the class's text)."""
@@ -458,7 +527,12 @@ class _Float32Certifier:
         scale = self.scale
         v = mixed[:, :d] / total[:, None] - self.weight[k]  # sum_i q_i w_i - w_k
         bias_mean = mixed[:, d] / total - (self.bias[k] if self.bias is not None else 0.0)
-        norm_mass = mixed[:, d + 1] * (1 + 3 * self.sum_factor) / total  # >= sum_i q_i ||w_i||
+        norm_mass = mixed[:, d + 1] * (1 + 3 * self.sum_factor) / total  # >= sum_i (e_i / E) ||w_i||
+        # >= sum_i q~_i ||w_i||, q~ the exact softmax of the stored y: e_i within exp's rounding of
+        # exp(y_i) or, where it underflowed, within 2^-126; E >= 1 (the top rival's e is 1)
+        softmax_norm = ((mixed[:, d + 1] * (1 + 3 * self.sum_factor) + self.underflow * scale.max_norm)
+                        / (total * (1 - 2 * self.sum_factor) - self.underflow) * (1 + 3 * _EXP_ROUNDING_32))
+        softmax_norm = torch.clamp(softmax_norm, max=scale.max_norm)
         # E = sum_i e_i is within gamma of ``total``, so dividing by ``total`` moves each mean by
         # gamma of its size more; -sum_i e_i y_i within gamma (the products within u)
         entropy = (torch.log(total) - 2 * self.sum_factor + entropy_part * (1 - 3 * self.sum_factor) / total
@@ -475,10 +549,24 @@ class _Float32Certifier:
                  + self.subnormal * (scale.reach + 1)
                  + 1e-12 * (1 + bound.abs() + support + entropy.abs()))
         upper = _probability_above(bound - slack)
-        return torch.where(torch.isnan(upper), torch.ones_like(upper), upper)
+        return torch.where(torch.isnan(upper), torch.ones_like(upper), upper), softmax_norm, v, bound
+
+
+@dataclass
+class _Certified:
+    """What one float32 certification at a batch of points gives."""
+
+    value: torch.Tensor  # F_k from the computed logits (no allowance)
+    gradient: torch.Tensor  # sum_i q_i w_i - w_k, NaN where the lower bound is within the gap of 1
+    lower: torch.Tensor
+    upper: torch.Tensor
+    margin: torch.Tensor  # the certified lead of token k over every rival, -inf where it does not win
+    runner_up: torch.Tensor
+    floor: torch.Tensor  # how much of upper - lower is rounding allowance rather than distance to the optimum
 
 
 _CHUNK = 256  # rivals per float32 sum: gamma_260 ~ 1.5e-5
+_FLOAT32_REACH = 0.7  # tokens whose float32 allowance alone takes more of the gap go on in float64
 _EXP_ROUNDING_32 = 8 * UNIT_ROUNDOFF_32  # float32 exp's relative error (1-2 units in practice), generously
 
 
@@ -500,45 +588,53 @@ def _cvxpy_point(weight, bias, k: int, domain) -> torch.Tensor | None:
     return torch.as_tensor(np.asarray(z.value, dtype=np.float64), device=weight.device)
 
 
+def _steering_run(evaluate, domain, gap):
+    """The steering's evaluations for _spg: plain estimates, nothing certified."""
+    def run(k, z):
+        value, gradient = evaluate(k, z, lambda v: ~(_probability(v) >= 1 - gap))
+        upper = torch.clamp(_probability(_dual(domain, value, gradient, z)), max=1.0)
+        return value, gradient, _probability(value), upper, torch.zeros_like(upper, dtype=torch.bool)
+    return run
+
+
+def _float64_run(weight, bias, domain, gap, scale: _Scale, buffers: _Buffers | None = None):
+    """Float64 evaluations for _spg, with certified bounds at every point."""
+    def run(k, z):
+        value, gradient = _evaluate(weight, bias, k, z, buffers=buffers,
+                                    gradient=lambda v: ~(_probability_below(v + scale.value_error(k, z, v)) >= 1 - gap))
+        lower, upper = _certified_bounds(scale, domain, k, z, value, gradient, _dual(domain, value, gradient, z))
+        return value, gradient, lower, upper, torch.zeros_like(upper, dtype=torch.bool)
+    return run
+
+
 def _solve_batch(weight, bias, k, z, domain, gap, iterations, scale: _Scale, buffers: _Buffers | None = None,
                  first_step: float | None = None):
     """Float64 spectral projected gradient with certified bounds at every point it evaluates."""
-    lower, upper, best_z = _spg(lambda kk, zz, gg=True: _evaluate(weight, bias, kk, zz, gradient=gg, buffers=buffers), k, z,
-                                domain, gap, iterations, scale.max_norm, scale, first_step)
+    lower, upper, best_z = _spg(_float64_run(weight, bias, domain, gap, scale, buffers), k, z, domain, gap, iterations,
+                                scale.max_norm, first_step)
     return lower.cpu().numpy(), upper.cpu().numpy(), best_z.cpu().numpy()
 
 
-def _spg(evaluate, k, z, domain, gap, iterations, max_norm, scale: _Scale | None = None,
-         first_step: float | None = None):
+def _spg(evaluate, k, z, domain, gap, iterations, max_norm, first_step: float | None = None):
     """Spectral projected gradient (Barzilai-Borwein steps, non-monotone acceptance) on F_k, batched.
 
-    Returns the best lower and upper bounds on max p_k seen and the point of the lower one:
-    certified ones with ``scale``, the steering's plain estimates without it. A point whose lower
-    bound is already within ``gap`` of 1 ends its token's search, so its gradient is not computed."""
-    def open_at(kk, zz):
-        if scale is None:
-            return lambda v: ~(_probability(v) >= 1 - gap)
-        return lambda v: ~(_probability_below(v + scale.value_error(kk, zz, v)) >= 1 - gap)
-
-    def bounds_at(kk, vv, gg, zz):
-        dual = _dual(domain, vv, gg, zz)
-        if scale is None:
-            return _probability(vv), torch.clamp(_probability(dual), max=1.0)
-        return _certified_bounds(scale, domain, kk, zz, vv, gg, dual)
-
-    value, gradient = evaluate(k, z, open_at(k, z))
-    best_lower, best_upper = bounds_at(k, value, gradient, z)
+    ``evaluate(k, z)`` gives F_k, its gradient, lower and upper bounds on max p_k (certified or
+    estimates, as the caller's precision allows) and a mask of the tokens whose search should end
+    however wide their bounds (float32's allowance). Returns the best bounds seen and the point
+    of the lower one. A point whose lower bound is already within ``gap`` of 1 ends its token's
+    search, so its gradient is not needed (NaN)."""
+    value, gradient, best_lower, best_upper, stuck = evaluate(k, z)
     best_upper = torch.where(torch.isfinite(best_upper), best_upper, torch.ones_like(best_upper))
     best_z = z.clone()
     step = torch.full_like(value, min(first_step or 1.0 / max(max_norm, 1e-150) ** 2, torch.finfo(z.dtype).max ** 0.5))
     recent = value[:, None].repeat(1, _MEMORY)  # the last values, for the non-monotone test
     for _ in range(iterations):
-        active = best_upper - best_lower > gap
+        active = (best_upper - best_lower > gap) & ~stuck
         if not bool(active.any()):
             break
         idx = torch.nonzero(active).flatten()
         zi = _project(domain, z[idx] - step[idx, None] * gradient[idx])
-        vi, gi = evaluate(k[idx], zi, open_at(k[idx], zi))
+        vi, gi, li, ui, si = evaluate(k[idx], zi)
         # sufficient decrease against the worst recent value, 1e-4 of the first-order decrease: no
         # step length in it, so that the test does not change when the head or the domain is rescaled
         accept = vi <= recent[idx].max(dim=1).values - 1e-4 * (gradient[idx] * (z[idx] - zi)).sum(dim=1).abs()
@@ -551,7 +647,7 @@ def _spg(evaluate, k, z, domain, gap, iterations, max_norm, scale: _Scale | None
         moved = idx[accept]
         z[moved], gradient[moved] = zi[accept], gi[accept]
         recent[moved] = torch.cat([recent[moved, 1:], vi[accept, None]], dim=1)
-        li, ui = bounds_at(k[idx], vi, gi, zi)
+        stuck[idx] |= si
         better = li > best_lower[idx]
         best_lower[idx[better]] = li[better]
         best_z[idx[better]] = zi[better]
