@@ -128,7 +128,8 @@ def float32_and_float64_bounds(W, b, domain, points):
     single = ceiling._Float32Certifier(weight, bias, scale)
     k = torch.arange(W.shape[0])
     z = ceiling._project(domain, torch.as_tensor(points, dtype=torch.float64))
-    lower32, upper32 = single.certify(k, z, domain, 1e-4, ceiling._Buffers())[:2]
+    found = single.certify(k, z, domain, 1e-4, ceiling._Buffers())
+    lower32, upper32 = found.lower.numpy(), found.upper.numpy()
     lower64, upper64, _ = ceiling._certify(weight, bias, k, z, domain, 1e-4, scale)
     return z.numpy(), (lower32, upper32), (lower64, upper64)
 
