@@ -243,7 +243,7 @@ def probability_ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: n
             lower[part] = np.maximum(lo, lower[part])
             upper[part] = np.minimum(up, upper[part])
             for j in part[better & (margin[part] > 0)].tolist():  # the witness stays where it was proved
-                moved[j] = point[j].copy()
+                moved.setdefault(j, point[j].copy())
             point[part[better]] = zz[better]
 
     # where the steering's point is not close enough: on in float32 where its allowance leaves room
@@ -329,15 +329,22 @@ class _Steering:
     """The head in the steering precision; values and bounds without any rounding allowance."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
-        self.weight = weight.to(dtype)
         self.compute = torch.float32 if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float64
-        # shifted by its largest value (which changes no softmax), so that a large common offset does
-        # not cost the narrow precision its resolution
-        self.bias = (bias - bias.max()).to(dtype) if bias is not None else None
+        self.biased = bias is not None
+        if self.biased:
+            # the bias as one more column, against a 1 appended to z: the product adds it (one pass over
+            # the logits less); shifted by its largest value (which changes no softmax), so that a large
+            # common offset does not cost the narrow precision its resolution
+            weight = torch.cat([weight, (bias - bias.max())[:, None]], dim=1)
+        self.weight = weight.to(dtype)
         self.buffers = _Buffers()
 
     def evaluate(self, k, z, gradient=True):
-        return _evaluate(self.weight, self.bias, k, z, gradient=gradient, buffers=self.buffers)
+        if not self.biased:
+            return _evaluate(self.weight, None, k, z, gradient=gradient, buffers=self.buffers)
+        value, g = _evaluate(self.weight, None, k, torch.cat([z, torch.ones_like(z[:, :1])], dim=1),
+                             gradient=gradient, buffers=self.buffers)
+        return value, g[:, :-1]
 
 
 class _Scale:
@@ -435,14 +442,14 @@ class _Float32Certifier:
         device = weight.device
         self.weight = weight  # float64: w_k for the gradient
         self.bias = bias
-        self.bias32 = torch.full((self.padded,), -1e30, dtype=torch.float32, device=device)
-        self.bias32[:n] = bias if bias is not None else 0.0
-        # the rows, the biases and the rows' norms, for sum_i e_i [w_i, b_i, ||w_i||]
+        # the rows, the biases and the rows' norms: the logits are [z, 1, 0] against them (the product
+        # adds the bias: one pass over the logits less), and sum_i e_i [w_i, b_i, ||w_i||] goes into
+        # the Gibbs bound; the padding rows' bias -1e30 puts their exponentials at 0
         self.stacked = torch.zeros(self.padded, d + 2, dtype=torch.float32, device=device)
         self.stacked[:n, :d] = weight
         self.stacked[:n, d] = bias if bias is not None else 0.0
+        self.stacked[n:, d] = -1e30
         self.stacked[:n, d + 1] = scale.norms * (1 + 2.0**-20)  # rounded up: they bound a rounding error
-        self.weight32 = self.stacked[:, :d]  # a view: products with it are as fast as with a copy
         self.scale = scale
         self.logit_factor = gamma(d + 8, UNIT_ROUNDOFF_32)  # one logit: inputs, d products, the bias
         self.shift_factor = 3 * UNIT_ROUNDOFF_32  # y_i = fl(l_i - top): u |l_i - top| <= 2 u (max |l|)
@@ -472,8 +479,10 @@ class _Float32Certifier:
         rows = torch.arange(len(k), device=z.device)
         shape = (len(k), self.padded)
         logits = buffers.get("logits32", shape, torch.float32, z.device)
-        torch.matmul(z.to(torch.float32), self.weight32.T, out=logits)
-        logits += self.bias32[None, :]
+        augmented = torch.zeros(len(k), self.d + 2, dtype=torch.float32, device=z.device)
+        augmented[:, :self.d] = z
+        augmented[:, self.d] = 1.0
+        torch.matmul(augmented, self.stacked.T, out=logits)
         own = logits[rows, k].to(torch.float64)
         logits[rows, k] = -torch.inf
         top, runner_up = logits.max(dim=1)
