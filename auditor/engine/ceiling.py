@@ -205,25 +205,33 @@ def probability_ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: n
     # float32 certification where rows, points and logits stay far from its range's ends (its
     # products are kept IEEE ones by ``ieee_float32_products`` around every use)
     single = _Float32Certifier(weight, bias, scale) if _fits_float32(scale) else None
-    for s in range(0, count, batch):
-        part = slice(s, min(s + batch, count))
-        k = torch.as_tensor(ids[part], device=weight.device)
-        z = model.start(k, domain) if model is not None else start[part].to(torch.float64)
+    # the steering in larger batches than the certification: its searches leave fewer tokens active at
+    # each step, and products of a few hundred rows run well below the full batch's rate
+    steering_batch = batch * max(1, min(2, _BLOCK_BUDGET // max(weight.shape[0] * batch, 1)))
+    for s in range(0, count, steering_batch):
+        block = slice(s, min(s + steering_batch, count))
+        k = torch.as_tensor(ids[block], device=weight.device)
+        z = model.start(k, domain) if model is not None else start[block].to(torch.float64)
         z = _project(domain, z)
         z = _spg(_steering_run(fast.evaluate, domain, gap * _STEERING_GAP), k, z.to(fast.compute), domain,
                  gap * _STEERING_GAP, _STEERING_ITERATIONS, scale.max_norm, first_step)[2]
-        z = _project(domain, z.to(torch.float64))
-        if single is not None:
-            found = single.certify(k, z, domain, gap, exact)
-            lower[part], upper[part], point[part] = found.lower.cpu().numpy(), found.upper.cpu().numpy(), z.cpu().numpy()
-            margin[part], runner_up[part] = found.margin.cpu().numpy(), found.runner_up.cpu().numpy()
-            beyond[part] = (found.floor > _FLOAT32_REACH * gap).cpu().numpy()
-            for j in np.nonzero((upper[part] - lower[part] > gap) & ~beyond[part])[0].tolist():
-                first[part.start + j] = (found.value[j], found.gradient[j])  # the float32 search starts here
-        else:
-            lower[part], upper[part], point[part] = _certify(weight, bias, k, z, domain, gap, scale, exact)
-        if progress is not None:
-            progress.update(part.stop - part.start)
+        steered = _project(domain, z.to(torch.float64))
+        for t in range(block.start, block.stop, batch):
+            part = slice(t, min(t + batch, block.stop))
+            k = torch.as_tensor(ids[part], device=weight.device)
+            z = steered[part.start - block.start:part.stop - block.start]
+            if single is not None:
+                found = single.certify(k, z, domain, gap, exact)
+                lower[part], upper[part] = found.lower.cpu().numpy(), found.upper.cpu().numpy()
+                point[part] = z.cpu().numpy()
+                margin[part], runner_up[part] = found.margin.cpu().numpy(), found.runner_up.cpu().numpy()
+                beyond[part] = (found.floor > _FLOAT32_REACH * gap).cpu().numpy()
+                for j in np.nonzero((upper[part] - lower[part] > gap) & ~beyond[part])[0].tolist():
+                    first[part.start + j] = (found.value[j], found.gradient[j])  # the float32 search starts here
+            else:
+                lower[part], upper[part], point[part] = _certify(weight, bias, k, z, domain, gap, scale, exact)
+            if progress is not None:
+                progress.update(part.stop - part.start)
 
     def go_on(left: np.ndarray, run, limit: int, known: bool = False) -> None:
         """On from the tokens' best points with every iterate certified, in full batches; ``known``: from
