@@ -304,4 +304,5 @@ def test_ceiling_points_prove_only_what_the_verdict_stages_find(rng, domain):
         assert witness_wins(W, b, k, token.witness)
         logits = W @ token.witness + b
         assert logits[k] - np.delete(logits, k).max() >= token.margin * (1 - 1e-9)  # the margin is a lower bound
+        assert logits[token.runner_up] >= np.delete(logits, k).max() - 1e-5  # the strongest rival there
     assert auditor.verify(report, W, b, final_norm=options.get("final_norm")).ok
