@@ -426,9 +426,14 @@ class _Float32Certifier:
     wherever p_k is near 0 or 1, which is most tokens (the bounds move p by p (1 - p) times their
     error in F_k). Tokens it leaves wider than the gap go on in float64.
 
-    The lower bound is p_k(z) with every logit difference within 4 gamma_{d+8} (max ||w_i|| ||z||
-    + max |b_i|) of exact (float32 rounding of the rows, the point and the bias, the products, the
-    bias's addition and the shift by the largest rival's logit). The upper bound is Gibbs'
+    Each computed logit (the product of [z, 1] with [w_i, b_i], all rounded to float32) is within
+    e_i = gamma_{d+8} (||w_i|| ||z|| + |b_i|) of exact: the inputs' rounding, d products, the bias.
+    The lower bound is p_k(z) with F_k raised by e_k + sum_i q~_i e_i (Jensen: log sum exp(x_i) <=
+    log sum exp(x~_i) + sum_i q~_i |x_i - x~_i|, q~ the softmax of the computed logits), plus
+    u |x~_i - top| for the shift by the largest rival's logit: first with the largest row norm and
+    bias for the rivals, then, where that leaves p_k short of the gap to 1, with the softmax mean of
+    the row norms that the upper bound's products give. Where the computed lead of k over every
+    rival exceeds e_k + max_i e_i, k is the strict argmax at z: a witness. The upper bound is Gibbs'
     inequality, log sum_i exp(x_i) >= sum_i q_i x_i + H(q) for every distribution q over the
     rivals, taken at the softmax q of the computed logits and minimised over the domain:
 
