@@ -22,8 +22,9 @@ bound from Gibbs' inequality, _Float32Certifier), or in float64 where float32
 cannot hold the head; a token whose lower bound is already within the gap of 1
 needs no gradient. Spectral projected gradient
 (Barzilai-Borwein steps with a non-monotone acceptance test), batched over
-tokens, drives both the steering and, in float64, the tokens whose certified
-bounds are still further apart than the gap; the few still open after that get
+tokens, drives the steering and then, every iterate certified, the tokens whose
+bounds are still further apart than the gap: in float32 where its allowance leaves
+room, then in float64; the few still open after that get
 an interior-point solve (cvxpy, Clarabel) whose point is evaluated the same way.
 Copies of row k count as rivals (each adds exp(0) = 1): a token tied with m - 1
 others never passes 1/m.
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 from auditor.domain import Ball, Box, Domain
+from auditor.engine.certify import inside_domain
 from auditor.engine.head import robust_row_norms
 from auditor.engine.rounding import UNIT_ROUNDOFF_32, gamma, ieee_float32_products, safe_norm
 
@@ -52,8 +54,8 @@ class Ceilings:
     # Where the float32 certification also proved that token k's logit is the strict maximum at a point
     # (a witness of argmaxability, as the screen's): margin > 0, a lower bound on l_k - max_i l_i there
     # (-inf elsewhere), the rival closest to winning, and the point when the search went on past it.
-    margin: np.ndarray | None = None
-    runner_up: np.ndarray | None = None
+    margin: np.ndarray
+    runner_up: np.ndarray
     moved: dict[int, np.ndarray] = field(default_factory=dict)
 
     def witness(self, j: int) -> np.ndarray:
@@ -66,12 +68,6 @@ def _project(domain: Domain, z: torch.Tensor) -> torch.Tensor:
         norm = torch.linalg.vector_norm(z, dim=1, keepdim=True)
         return z * torch.clamp((1 - 1e-12) * domain.radius / torch.clamp(norm, min=1e-300), max=1.0)
     return z.clamp(-domain.radius, domain.radius)
-
-
-def _inside(domain: Domain, z: torch.Tensor) -> torch.Tensor:
-    if isinstance(domain, Ball):
-        return safe_norm(z, dim=1) <= domain.radius
-    return z.abs().amax(dim=1) <= domain.radius
 
 
 def _support(domain: Domain, v: torch.Tensor) -> torch.Tensor:
@@ -269,8 +265,8 @@ def probability_ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: n
             k = torch.as_tensor(ids[j:j + 1], device=weight.device)
             lo, up, zz = _solve_batch(weight, bias, k, _project(domain, z[None, :]), domain, gap, 50, scale)
             if lo[0] > lower[j]:  # the point stays with the bound reached at it
-                if margin[j] > 0 and j not in moved:
-                    moved[j] = point[j].copy()
+                if margin[j] > 0:  # the witness stays where it was proved
+                    moved.setdefault(j, point[j].copy())
                 lower[j], point[j] = lo[0], zz[0]
             upper[j] = min(up[0], upper[j])
     return Ceilings(lower, upper, point, margin, runner_up, moved)
@@ -408,9 +404,7 @@ def _dual(domain, value, gradient, z):
 def _certify(weight, bias, k, z, domain, gap, scale: _Scale, buffers: _Buffers | None = None):
     """One float64 evaluation at z: the certified bounds, with the gradient only where the lower
     bound is not already within ``gap`` of 1."""
-    value, gradient = _evaluate(weight, bias, k, z, buffers=buffers,
-                                gradient=lambda v: _probability_below(v + scale.value_error(k, z, v)) < 1 - gap)
-    lower, upper = _certified_bounds(scale, domain, k, z, value, gradient, _dual(domain, value, gradient, z))
+    lower, upper = _float64_run(weight, bias, domain, gap, scale, buffers)(k, z)[2:4]
     upper = torch.where(torch.isnan(upper), torch.ones_like(upper), upper)  # no gradient: 1 is within the gap
     return lower.cpu().numpy(), upper.cpu().numpy(), z.cpu().numpy()
 
@@ -424,7 +418,8 @@ def _fits_float32(scale: "_Scale") -> bool:
 class _Float32Certifier:
     """Certified bounds at a point from float32 products: half of float64's cost here or less, and enough
     wherever p_k is near 0 or 1, which is most tokens (the bounds move p by p (1 - p) times their
-    error in F_k). Tokens it leaves wider than the gap go on in float64.
+    error in F_k). Tokens it leaves wider than the gap go on from its value and gradient (the
+    search's float32 evaluation), or in float64 where its own allowance takes most of the gap.
 
     Each computed logit (the product of [z, 1] with [w_i, b_i], all rounded to float32) is within
     e_i = gamma_{d+8} (||w_i|| ||z|| + |b_i|) of exact: the inputs' rounding, d products, the bias.
@@ -484,8 +479,7 @@ class _Float32Certifier:
         """For the search: F_k at z from the computed logits, its gradient (NaN where the lower bound is
         within ``gap`` of 1), the certified bounds, and whether float32's own allowance keeps them wider
         than ``_FLOAT32_REACH`` of the gap."""
-        with ieee_float32_products():
-            found = self._bounds(k, z, domain, gap, buffers)
+        found = self.certify(k, z, domain, gap, buffers)
         return found.value, found.gradient, found.lower, found.upper, found.floor > _FLOAT32_REACH * gap
 
     def _bounds(self, k, z, domain, gap, buffers: "_Buffers"):
@@ -505,7 +499,7 @@ class _Float32Certifier:
         # (a float64 difference of float32 numbers: exact but for a far-apart pair's last bit)
         lead = (own - top.to(torch.float64)) * (1 - 2.0**-50)
         margin = lead - self._logit_error(k, size, scale.max_norm, scale.max_bias) - self._common_error(size, shift=False)
-        margin = torch.where((margin > 0) & _inside(domain, z), margin, torch.full_like(margin, -torch.inf))
+        margin = torch.where((margin > 0) & inside_domain(domain, z), margin, torch.full_like(margin, -torch.inf))
         y = logits.sub_(top[:, None])  # y_i <= 0, the largest 0
         e = torch.exp(y, out=buffers.get("terms32", shape, torch.float32, z.device))  # 0 at k
         y[rows, k] = 0.0  # so that e_k y_k = 0
@@ -642,11 +636,10 @@ def _float64_run(weight, bias, domain, gap, scale: _Scale, buffers: _Buffers | N
     return run
 
 
-def _solve_batch(weight, bias, k, z, domain, gap, iterations, scale: _Scale, buffers: _Buffers | None = None,
-                 first_step: float | None = None):
+def _solve_batch(weight, bias, k, z, domain, gap, iterations, scale: _Scale, buffers: _Buffers | None = None):
     """Float64 spectral projected gradient with certified bounds at every point it evaluates."""
     lower, upper, best_z = _spg(_float64_run(weight, bias, domain, gap, scale, buffers), k, z, domain, gap, iterations,
-                                scale.max_norm, first_step)
+                                scale.max_norm)
     return lower.cpu().numpy(), upper.cpu().numpy(), best_z.cpu().numpy()
 
 
