@@ -5,15 +5,14 @@
     report.ids("unargmaxable"); report.tokens[k].witness; report.to_dict()
 """
 
+from auditor._version import __version__
 from auditor.api import audit
-from auditor.certificates import Certificates, load_certificates
+from auditor.certificates import Certificates, TokenVerdict, load_certificates
 from auditor.domain import Ball, Box, Norm, Unbounded, parse_domain
-from auditor.norm import FinalNorm
 from auditor.errors import AuditorError, InputError
-from auditor.report import AuditReport, TokenVerdict
+from auditor.norm import FinalNorm
+from auditor.report import AuditReport
 from auditor.verify import Verification, verify
-
-__version__ = "0.1.0"
 
 __all__ = [
     "audit", "verify", "load_certificates", "Certificates", "AuditReport", "TokenVerdict", "Verification",

@@ -2,7 +2,7 @@
 
 import sys
 
-from auditor._cli import main
+from auditor.cli.audit import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from auditor._io import read_json_report
 from auditor.errors import InputError
 
 
@@ -42,12 +43,7 @@ class Baseline:
     @classmethod
     def read(cls, path: Path) -> Baseline:
         """Read a JSON report written by ``audit --format json`` (or ``audit-merge``)."""
-        try:
-            document = json.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise InputError(f"--baseline {path}: no such file") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise InputError(f"--baseline {path}: not a JSON report ({error})") from None
+        document = read_json_report(path, f"--baseline {path}")
         if not isinstance(document, dict) or not {"summary", "findings", "head", "domain"} <= document.keys():
             certificates = isinstance(document, dict) and (document.get("kind") == "auditor-certificates"
                                                            or "tokens" in document)

@@ -6,11 +6,10 @@ A block is a range of token ids, first..stop-1, of which it decides the selected
 its JSON report document (what ``audit --shard --format json`` writes) and, when wanted, its
 certificates document. The parts are merged as audit-merge merges shards, into the document a
 single run writes: verdicts are the same token for token. Each call repeats the audit's fixed work
-on the whole head (duplicate rows, normal form, coordinate-wise medians: about 0.9 s of the 11 s a
-30522 x 384 head takes on one thread), and that fixed work grows with the head as a block's does:
-blocks of 16384 ids by default, small enough that a kill loses little, large enough that the repeated
-work stays a fraction of each block's (two blocks on that head: 14% more CPU time than one call,
-block files included; bench/distributed.py).
+on the whole head (duplicate rows, normal form, coordinate-wise medians), and that fixed work grows
+with the head as a block's does: blocks of 16384 ids by default, small enough that a kill loses
+little, large enough that the repeated work stays a fraction of each block's (docs/performance.md
+gives the cost of blocks, measured by bench/distributed.py).
 """
 
 from __future__ import annotations
@@ -23,13 +22,15 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-import auditor
+from auditor._input import resolve_device
+from auditor.api import audit
+from auditor.certificates import certificates_document, merge_certificates
 from auditor.distributed import Halted
-from auditor.errors import InputError
+from auditor.findings import Finding
 from auditor.formats import json_format
-from auditor.gate import Finding, run_gate
+from auditor.gate import run_gate
 from auditor.merge import merge_reports
-from auditor.workdir import WorkDir
+from auditor.workdir import WorkDir, binding_for
 
 DEFAULT_BLOCK_SIZE = 16384
 
@@ -77,9 +78,7 @@ def plan_blocks(ids: np.ndarray, size: int, origin: int = 0) -> list[Block]:
 
 def decide_part(job: AuditJob, ids: np.ndarray) -> dict:
     """One block decided: ``{"report": its JSON document, "certificates": its certificates or None}``."""
-    from auditor._cli import certificates_document
-
-    report = auditor.audit(job.head.audited, job.head.bias, domain=job.domain, device=job.device,
+    report = audit(job.head.audited, job.head.bias, domain=job.domain, device=job.device,
                            tokens=ids.tolist(), progress=False, final_norm=job.final_norm,
                            probability_ceiling=job.ceiling is not None, threads=job.threads)
     result = run_gate(job.head, report, job.fail_on, job.allow, 0.0, job.ceiling, job.baseline)
@@ -114,34 +113,6 @@ def merge_parts(job: AuditJob, blocks: list[Block], parts: dict[int, dict], ids:
     if job.certificates:
         certificates = merge_certificates([parts[j]["certificates"] for j in order])
     return merged, certificates
-
-
-_CERTIFICATE_SAME = ("schema_version", "kind", "tool", "argmaxable_listed", "final_norm", "head", "domain",
-                     "tolerances", "centre")
-
-
-def merge_certificates(documents: list[dict]) -> dict:
-    """One certificates document from those of disjoint blocks of one audit: every token, counts summed.
-
-    The blocks share the head's centre and tolerances (the engine computes them over the whole head),
-    which the witness formulas and the convex checks refer to; raises InputError if they do not."""
-    first = documents[0]
-    for document in documents[1:]:
-        for key in _CERTIFICATE_SAME:
-            if document.get(key) != first.get(key):
-                raise InputError(f"the blocks' certificates differ in {key!r}, so they cannot make one "
-                                 "certificates file; empty the work folder and run again")
-    merged = dict(first)
-    merged["tokens"] = sorted((t for d in documents for t in d["tokens"]), key=lambda t: t["id"])
-    counts = {name: sum(d["counts"][name] for d in documents) for name in first["counts"] if name != "undecided"}
-    counts["undecided"] = first["head"]["n_tokens"] - sum(counts.values())
-    merged["counts"] = {name: counts[name] for name in first["counts"]}
-    timings: dict[str, float] = {}
-    for document in documents:
-        for name, seconds in document["timings"].items():
-            timings[name] = round(timings.get(name, 0.0) + seconds, 6)
-    merged["timings"] = timings
-    return merged
 
 
 def audit_in_blocks(job: AuditJob, tokens: list[int] | None, shard: dict | None, load_seconds: float, *,
@@ -191,8 +162,6 @@ def audit_in_blocks(job: AuditJob, tokens: list[int] | None, shard: dict | None,
 
 def _binding(job: AuditJob, block_size: int | None):
     """The head's fingerprint and every setting that shapes a block's report (workdir.binding_for)."""
-    from auditor._input import resolve_device
-    from auditor.workdir import binding_for
 
     return binding_for(job.head, domain=job.domain, final_norm=job.final_norm, ceiling=job.ceiling,
                        fail_on=job.fail_on, allow=job.allow_path, baseline=job.baseline_path,

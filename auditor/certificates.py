@@ -1,9 +1,12 @@
-"""Read a certificates file (``audit --certificates FILE``) back into verdicts that ``auditor.verify`` re-checks.
+"""The certificates file (``audit --certificates FILE``): its verdicts, writing it, and reading it back checked.
 
     certs = auditor.load_certificates("certificates.json")
     auditor.verify(certs, weight, bias).ok
 
-The file is ``AuditReport.to_dict()`` as JSON: ``schema_version``, ``kind``
+``TokenVerdict`` is one token's verdict with its certificate. The file is
+``AuditReport.to_dict()`` as JSON, with where the head came from
+(``certificates_document``); blocks of one audit make one file
+(``merge_certificates``). Its fields: ``schema_version``, ``kind``
 ("auditor-certificates"), ``tool``, ``head``, ``domain``, ``tolerances``,
 ``centre`` and one entry per decided token. Most witnesses are written as a
 formula over the token's own row, ``{"row": k, "minus_centre": t, "scale": s}``
@@ -23,24 +26,58 @@ from pathlib import Path
 
 import numpy as np
 
+from auditor._arrays import as_float64
 from auditor._input import LARGEST_RESIDUAL_TOL as _LARGEST_RESIDUAL_TOL
 from auditor.domain import Domain, parse_domain
 from auditor.errors import InputError
-from auditor.report import CERTIFICATES_KIND, SCHEMA_VERSION, VERDICTS, TokenVerdict
+
+VERDICTS = ("argmaxable", "unargmaxable", "tied", "inconclusive", "undecided")
+SCHEMA_VERSION = 1
+CERTIFICATES_KIND = "auditor-certificates"  # what the file's document is; load_certificates refuses other kinds
 
 _DECIDED = tuple(v for v in VERDICTS if v != "undecided")
 
 
-def as_float64(array) -> np.ndarray:
-    """A float64 numpy copy of a numpy array or torch tensor of any float dtype (bfloat16 included)."""
-    import torch
+@dataclass(frozen=True)
+class TokenVerdict:
+    """One token's verdict with its certificate.
 
-    if isinstance(array, torch.Tensor):
-        return array.detach().to(torch.float64).cpu().numpy()
-    array = np.asarray(array)
-    if array.dtype.name == "bfloat16":
-        array = array.astype(np.float32)
-    return array.astype(np.float64)
+    argmaxable: ``witness`` (float64 z in the domain) and ``margin``, the computed
+    min_{i != k} (l_k(z) - l_i(z)); for an unbounded head without bias the margin
+    is quoted on the unit ball, i.e. for z / ||z||.
+    unargmaxable: ``convex_indices`` and ``convex_weights`` (largest first; they
+    sum to 1 and never include k) and ``residual``: an upper bound on
+    ||sum alpha_i w_i - w_k|| in the unbounded domain, on the dual value
+    s_D(w_k - sum alpha_i w_i) + b_k - sum alpha_i b_i in a bounded one;
+    ``bias_gap`` bounds b_k - sum alpha_i b_i.
+    tied: ``tied_with`` lists the tokens with the identical row, and
+    ``group_verdict`` says whether the group as a whole could win; the
+    certificate fields then hold the group's certificate.
+    inconclusive: ``bounds`` = (best witness margin found, best dual bound found).
+    In the ``norm`` domain ``witness`` is the norm's output z and ``pre_norm`` a
+    hidden state x whose normalisation is z. With ``probability_ceiling=True``:
+    ``max_probability`` (reached at ``probability_point``, in the norm domain the
+    norm's output) and ``probability_bounds`` = (that value, an upper bound no
+    point of the domain exceeds), at most 1e-4 apart. Fields that do not apply are None.
+    """
+
+    id: int
+    verdict: str
+    margin: float | None = None
+    witness: np.ndarray | None = None
+    runner_up: int | None = None
+    convex_indices: np.ndarray | None = None
+    convex_weights: np.ndarray | None = None
+    residual: float | None = None
+    bias_gap: float | None = None
+    tied_with: list[int] | None = None
+    group_verdict: str | None = None
+    bounds: tuple[float, float] | None = None
+    stage: str | None = None
+    pre_norm: np.ndarray | None = None
+    max_probability: float | None = None
+    probability_bounds: tuple[float, float] | None = None
+    probability_point: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +140,41 @@ class Certificates:
         for k, formula in self.witness_formulas.items():
             tokens[k] = dataclasses.replace(tokens[k], witness=formula.point(rows[formula.row], self.centre))
         return dataclasses.replace(self, tokens=tokens, witness_formulas={})
+
+
+def certificates_document(head, report) -> dict:
+    """The certificates file's document: the report's certificates, with where the head came from."""
+    document = report.to_dict()
+    document["head"].update(path=str(head.path), weight_tensor=head.weight_name, bias_tensor=head.bias_name)
+    return document
+
+
+_CERTIFICATE_SAME = ("schema_version", "kind", "tool", "argmaxable_listed", "final_norm", "head", "domain",
+                     "tolerances", "centre")
+
+
+def merge_certificates(documents: list[dict]) -> dict:
+    """One certificates document from those of disjoint blocks of one audit: every token, counts summed.
+
+    The blocks share the head's centre and tolerances (the engine computes them over the whole head),
+    which the witness formulas and the convex checks refer to; raises InputError if they do not."""
+    first = documents[0]
+    for document in documents[1:]:
+        for key in _CERTIFICATE_SAME:
+            if document.get(key) != first.get(key):
+                raise InputError(f"the blocks' certificates differ in {key!r}, so they cannot make one "
+                                 "certificates file; empty the work folder and run again")
+    merged = dict(first)
+    merged["tokens"] = sorted((t for d in documents for t in d["tokens"]), key=lambda t: t["id"])
+    counts = {name: sum(d["counts"][name] for d in documents) for name in first["counts"] if name != "undecided"}
+    counts["undecided"] = first["head"]["n_tokens"] - sum(counts.values())
+    merged["counts"] = {name: counts[name] for name in first["counts"]}
+    timings: dict[str, float] = {}
+    for document in documents:
+        for name, seconds in document["timings"].items():
+            timings[name] = round(timings.get(name, 0.0) + seconds, 6)
+    merged["timings"] = timings
+    return merged
 
 
 def load_certificates(path) -> Certificates:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from auditor.errors import AuditorError
-from auditor.gate import EXIT_ERROR
+from auditor.errors import EXIT_ERROR
 
 DEFAULT_TIMEOUT_S = 1800.0
 

@@ -1,4 +1,8 @@
-"""Errors meant for people: each says what is wrong and what to do."""
+"""Errors meant for people, and the exit codes every command shares."""
+
+# 0: no failing finding (or every certificate holds); 1: failing findings (or certificates that do not hold);
+# 2: a usage, load or input error, said in one line
+EXIT_CLEAN, EXIT_FINDINGS, EXIT_ERROR = 0, 1, 2
 
 
 class AuditorError(Exception):

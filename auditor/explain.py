@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from auditor.gate import Finding
+from auditor.findings import Finding
 from auditor.head import Head
 from auditor.report import AuditReport
 

@@ -1,4 +1,4 @@
-"""``audit-merge``: one report from the JSON reports of ``audit --shard I/N``.
+"""Merging the JSON reports of ``audit --shard I/N`` into the report of the whole vocabulary.
 
     audit --shard 1/4 --format json --output part1.json model/   # on four machines, or one after another
     ...
@@ -11,34 +11,25 @@ once. The merged report has the schema of a whole-vocabulary report
 summed over the shards, the summary lines of all shards each once, the
 warnings every shard gave, one baseline comparison) and prints as JSON
 (default), text or markdown, rendered by the same code as ``audit``'s
-reports. Exit codes as for ``audit``: 0 clean, 1 failing findings, 2 when
-the shards do not fit together or cannot be read.
+reports. The command is auditor/cli/merge.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import sys
 from pathlib import Path
 
+from auditor._io import read_json_report
 from auditor.errors import InputError
 from auditor.explain import summary_lines
-from auditor.formats import DOCUMENT_FORMATS
-from auditor.gate import EXIT_CLEAN, EXIT_FINDINGS
 
 _SAME = ("schema_version", "tool", "head", "domain", "fail_on", "ceiling")
 _DECIDED = ("argmaxable", "unargmaxable", "tied", "inconclusive")
 
 
-def _read(path: Path) -> dict:
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise InputError(f"{path}: not a JSON report ({error})") from None
+def read_shard(path: Path) -> dict:
+    """One shard's JSON report; raises InputError when it is not a report of ``audit --shard I/N``."""
+    document = read_json_report(path, str(path))
     if not isinstance(document, dict) or "summary" not in document or "findings" not in document:
         raise InputError(f"{path}: not a JSON report of audit (use --format json)")
     if not isinstance(document.get("shard"), dict):
@@ -131,35 +122,3 @@ def merge_reports(documents: list[dict], names: list[str] | None = None) -> dict
                   warnings=_merged_warnings((d.get("warnings", []) for d in documents), {f["id"] for f in findings}),
                   notes=first.get("notes", []), timing=timing, merged_from=count)
     return merged
-
-
-def run(args: argparse.Namespace) -> int:
-    merged = merge_reports([_read(path) for path in args.reports], [str(path) for path in args.reports])
-    text = DOCUMENT_FORMATS[args.format](merged)
-    if args.output:
-        from auditor._cli import check_writable, write_atomically
-
-        check_writable(args.output)
-        write_atomically({args.output: text})
-    else:
-        sys.stdout.write(text)
-    summary = merged["summary"]
-    print(f"audit-merge: {len(args.reports)} shards, {summary['n_tokens']} tokens, "
-          f"{summary['failing']} failing findings", file=sys.stderr)
-    return EXIT_FINDINGS if summary["failing"] else EXIT_CLEAN
-
-
-def main(argv: list[str] | None = None) -> int:
-    from auditor._cli import guarded
-
-    parser = argparse.ArgumentParser(prog="audit-merge", description="Merge the JSON reports of audit --shard I/N.")
-    parser.add_argument("reports", nargs="+", type=Path, help="the N shard reports (audit --shard I/N --format json)")
-    parser.add_argument("--format", choices=sorted(DOCUMENT_FORMATS), default="json",
-                        help="report format (default: json)")
-    parser.add_argument("--output", type=Path, metavar="FILE", help="write the merged report to FILE (atomically)")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    return guarded("audit-merge", run, parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,57 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from auditor._version import __version__
+from auditor.certificates import CERTIFICATES_KIND, SCHEMA_VERSION, VERDICTS, TokenVerdict
 from auditor.engine import STAGES, TIED, UNDECIDED, VERDICT_NAMES, Decisions
 
-VERDICTS = ("argmaxable", "unargmaxable", "tied", "inconclusive", "undecided")
-SCHEMA_VERSION = 1
-CERTIFICATES_KIND = "auditor-certificates"  # what to_dict's document is; load_certificates refuses other kinds
-
-
-@dataclass(frozen=True)
-class TokenVerdict:
-    """One token's verdict with its certificate.
-
-    argmaxable: ``witness`` (float64 z in the domain) and ``margin``, the computed
-    min_{i != k} (l_k(z) - l_i(z)); for an unbounded head without bias the margin
-    is quoted on the unit ball, i.e. for z / ||z||.
-    unargmaxable: ``convex_indices`` and ``convex_weights`` (largest first; they
-    sum to 1 and never include k) and ``residual``: an upper bound on
-    ||sum alpha_i w_i - w_k|| in the unbounded domain, on the dual value
-    s_D(w_k - sum alpha_i w_i) + b_k - sum alpha_i b_i in a bounded one;
-    ``bias_gap`` bounds b_k - sum alpha_i b_i.
-    tied: ``tied_with`` lists the tokens with the identical row, and
-    ``group_verdict`` says whether the group as a whole could win; the
-    certificate fields then hold the group's certificate.
-    inconclusive: ``bounds`` = (best witness margin found, best dual bound found).
-    In the ``norm`` domain ``witness`` is the norm's output z and ``pre_norm`` a
-    hidden state x whose normalisation is z. With ``probability_ceiling=True``:
-    ``max_probability`` (reached at ``probability_point``, in the norm domain the
-    norm's output) and ``probability_bounds`` = (that value, an upper bound no
-    point of the domain exceeds), at most 1e-4 apart. Fields that do not apply are None.
-    """
-
-    id: int
-    verdict: str
-    margin: float | None = None
-    witness: np.ndarray | None = None
-    runner_up: int | None = None
-    convex_indices: np.ndarray | None = None
-    convex_weights: np.ndarray | None = None
-    residual: float | None = None
-    bias_gap: float | None = None
-    tied_with: list[int] | None = None
-    group_verdict: str | None = None
-    bounds: tuple[float, float] | None = None
-    stage: str | None = None
-    pre_norm: np.ndarray | None = None
-    max_probability: float | None = None
-    probability_bounds: tuple[float, float] | None = None
-    probability_point: np.ndarray | None = None
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -235,8 +191,6 @@ class AuditReport:
                                             "point": [float(v) for v in token.probability_point]}
             tokens.append(entry)
         norm = self._norm_map.norm if self._norm_map is not None else None
-        from auditor import __version__  # at call time: the package imports this module before it sets the version
-
         return {
             "schema_version": SCHEMA_VERSION,
             "kind": CERTIFICATES_KIND,

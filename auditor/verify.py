@@ -29,13 +29,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from auditor.certificates import Certificates, as_float64, parse_certificates
-from auditor.domain import Ball, Box
+from auditor._arrays import as_float64
+from auditor.certificates import Certificates, parse_certificates
+from auditor.domain import Ball, Unbounded
 from auditor.errors import InputError
-from auditor.report import AuditReport
+
+if TYPE_CHECKING:  # the checker uses no engine code; a report is only read through its certificates
+    from auditor.report import AuditReport
 
 _U = 2.0**-53
 _ETA = 2.0**-1074
@@ -161,7 +165,7 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
             result.checked += 1
             if not np.all(np.isfinite(Z[j])):
                 result.fail(k, "witness: not a finite vector")
-            elif not _inside(report.domain, Z[j]):
+            elif not report.domain.contains(Z[j], _norm):
                 result.fail(k, f"witness: outside the {report.domain} domain")
             elif not wins[j].all():
                 rival = int(np.argmin(np.where(wins[j], np.inf, diff[j] - tolerance[j])))
@@ -174,7 +178,7 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
         kind, gain, shift, _ = norm
         reduced = _reduced_rows(W, norm)
         reduced_bias = W @ shift + b
-        views = [(_UNBOUNDED, W, b, views[0][3], True),
+        views = [(Unbounded(), W, b, views[0][3], True),
                  (Ball(math.sqrt(d)), reduced, reduced_bias, _typical_spread(reduced, reduced_bias), False)]
     for token in tokens:
         if token.convex_indices is None:
@@ -222,22 +226,6 @@ def _reduced_rows(W: np.ndarray, norm) -> np.ndarray:
     return scaled - scaled.mean(axis=1, keepdims=True) if kind == "layernorm" else scaled
 
 
-class _Unbounded:
-    bounded = False
-
-
-_UNBOUNDED = _Unbounded()
-
-
-def _inside(domain, z: np.ndarray) -> bool:
-    if isinstance(domain, Ball):
-        peak = float(np.abs(z).max(initial=0.0))
-        return peak == 0 or float(_norm(z)) <= domain.radius
-    if isinstance(domain, Box):
-        return bool(np.all(np.abs(z) <= domain.radius))
-    return True
-
-
 def _dual_at_most_zero_exactly(domain, alpha, w_k, rows, b_k, b) -> bool:
     """Whether s_D(w_k - sum beta_i w_i) + sum beta_i (b_k - b_i) <= 0 for beta = alpha / sum(alpha), in
     rational arithmetic (the ball: r^2 ||x||^2 <= gap^2 with gap <= 0; the box: r ||x||_1 + gap <= 0)."""
@@ -248,10 +236,7 @@ def _dual_at_most_zero_exactly(domain, alpha, w_k, rows, b_k, b) -> bool:
     x = [Fraction(float(w_k[j])) - sum(c * Fraction(float(v)) for c, v in zip(a, rows[:, j])) / total
          for j in range(rows.shape[1])]
     gap = sum(c * (Fraction(float(b_k)) - Fraction(float(v))) for c, v in zip(a, b)) / total
-    r = Fraction(float(domain.radius))
-    if isinstance(domain, Ball):
-        return gap <= 0 and r * r * sum(v * v for v in x) <= gap * gap
-    return r * sum(abs(v) for v in x) + gap <= 0
+    return domain.support_exactly_at_most(x, -gap)
 
 
 def _convex_failure(domain, W, b, token, group: set, tol: float, spread, exact: bool) -> str | None:
@@ -298,14 +283,10 @@ def _convex_failure(domain, W, b, token, group: set, tol: float, spread, exact: 
         return None
     unit = max(r_k, typical) or 1.0
     if domain.bounded:
-        if isinstance(domain, Ball):
-            support = domain.radius * residual
-        else:
-            support = domain.radius * (float(np.abs(offset).sum()) * (1 + _gamma(d)) + math.sqrt(d) * slack)
+        support = domain.support_bound(offset, slack, residual)
         if support + gap <= 0:
             return None
-        size = float(_norm(offset)) if isinstance(domain, Ball) else float(np.abs(offset).sum())
-        computed = domain.radius * size + float(beta @ bias_differences)
+        computed = domain.support(offset, _norm) + float(beta @ bias_differences)
         if exact and s <= 64 and computed <= (support + gap) - computed and _dual_at_most_zero_exactly(
                 domain, alpha, W[k], W[idx], b[k], b[idx]):
             return None  # zero within rounding, and at most zero in rational arithmetic

@@ -20,7 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from auditor._io import write_atomically
+from auditor._version import __version__
+from auditor.baseline import vocabulary_fingerprint
 from auditor.errors import InputError
+from auditor.formats.json_format import head_section
 
 MANIFEST = "audit-work.json"
 MANIFEST_KIND = "auditor-work-dir"
@@ -99,8 +103,6 @@ class WorkDir:
         Raises InputError, in one line, for a folder of another head or other settings, a file in
         place of the folder, or a non-empty folder that is not a work folder.
         """
-        from auditor._cli import write_atomically
-
         self.key = binding.key
         manifest = self.path / MANIFEST
         if self.path.exists() and not self.path.is_dir():
@@ -159,8 +161,6 @@ class WorkDir:
 
     def save(self, first: int, stop: int, ids, part: dict) -> None:
         """Write a decided block atomically (temporary file, then os.replace)."""
-        from auditor._cli import write_atomically
-
         document = {"kind": BLOCK_KIND, "key": self.key, "ids": _ids_digest(ids), "part": part}
         write_atomically({self.block_path(first, stop): json.dumps(document, allow_nan=False) + "\n"})
 
@@ -192,9 +192,6 @@ def binding_for(head, *, domain, final_norm, ceiling: float | None, fail_on, all
     block's part of the report (the verdicts, the findings' marks, the token strings shown). ``device``
     is the kind of device ("cpu", "cuda"): the blocks share the centre and tolerances the engine computes
     on the whole head, which one device may round differently from another."""
-    from auditor import __version__
-    from auditor.baseline import vocabulary_fingerprint
-    from auditor.formats.json_format import head_section
 
     settings = {
         "version": __version__,

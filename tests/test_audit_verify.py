@@ -27,7 +27,7 @@ def audit_cli(*args):
 
 
 def verify_cli(*args):
-    return subprocess.run([sys.executable, "-m", "auditor.verify_cli", *map(str, args)], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "auditor.cli.verify", *map(str, args)], capture_output=True, text=True)
 
 
 def failed_ids(done) -> set[int]:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from auditor._cli import write_atomically
+from auditor._io import write_atomically
 from auditor.errors import InputError
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

@@ -27,8 +27,9 @@ import pytest
 from safetensors.numpy import save_file
 
 import auditor
-from auditor._cli import main
-from auditor.blocks import merge_certificates, plan_blocks
+from auditor.cli.audit import main
+from auditor.blocks import plan_blocks
+from auditor.certificates import merge_certificates
 from auditor.distributed import _outcome
 
 pytestmark = pytest.mark.distributed

@@ -189,10 +189,10 @@ def test_certificates_state_the_factorisation_and_audit_verify_checks_them_on_u(
     assert done.returncode == 1, done.stderr
     document = json.loads(certificates.read_text())
     assert document["head"]["factorised"]["hidden_size"] == 6 and document["head"]["hidden_size"] == 3
-    verified = run(certificates, path, "--weight", "down.weight@up.weight.T", module="auditor.verify_cli")
+    verified = run(certificates, path, "--weight", "down.weight@up.weight.T", module="auditor.cli.verify")
     assert verified.returncode == 0 and "all hold" in verified.stdout, verified.stderr
     # the same certificates against the plain U: refused, pointing at the product the audit read
-    refused = run(certificates, path, "--weight", "plain.weight", module="auditor.verify_cli")
+    refused = run(certificates, path, "--weight", "plain.weight", module="auditor.cli.verify")
     assert refused.returncode == 2 and "--weight down.weight@up.weight.T" in refused.stderr
 
 
@@ -200,5 +200,5 @@ def test_audit_verify_refuses_a_product_for_certificates_of_a_plain_head(checkpo
     path, _ = checkpoint
     certificates = tmp_path / "certificates.json"
     assert run(path, "--weight", "plain.weight", "--certificates", certificates, "--quiet").returncode == 1
-    refused = run(certificates, path, "--weight", "down.weight@up.weight.T", module="auditor.verify_cli")
+    refused = run(certificates, path, "--weight", "down.weight@up.weight.T", module="auditor.cli.verify")
     assert refused.returncode == 2 and "is for a plain one" in refused.stderr

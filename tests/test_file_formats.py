@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from auditor._cli import main
+from auditor.cli.audit import main
 from auditor.loader import load_head
 from auditor.loader.formats import identify
 

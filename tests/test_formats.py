@@ -252,7 +252,7 @@ def demo_shards(tmp_path_factory):
 
 
 def test_merge_prints_the_merged_report_as_text(demo_shards):
-    done = _command("auditor.merge", *demo_shards, "--format", "text")
+    done = _command("auditor.cli.merge", *demo_shards, "--format", "text")
     assert done.returncode == 1, done.stderr
     rows = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines() if line[:8].strip().isdigit()}
     expected = {"1900", "2631", "4000", "4001", "4002", "4003"}
@@ -264,7 +264,7 @@ def test_merge_prints_the_merged_report_as_text(demo_shards):
 
 def test_merge_writes_markdown_to_its_output(demo_shards, tmp_path):
     out = tmp_path / "merged.md"
-    done = _command("auditor.merge", *demo_shards, "--format", "markdown", "--output", out)
+    done = _command("auditor.cli.merge", *demo_shards, "--format", "markdown", "--output", out)
     assert done.returncode == 1 and done.stdout == "", done.stderr
     rendered = out.read_text()
     assert rendered.startswith("## Argmaxability audit: fails")

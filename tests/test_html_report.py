@@ -260,7 +260,7 @@ def test_projection_matches_an_svd_of_the_centred_rows(monkeypatch):
 
 def test_missing_matplotlib_fails_before_the_audit_with_one_line(tmp_path):
     page = tmp_path / "r.html"
-    block = ("import sys; sys.modules['matplotlib'] = None; from auditor._cli import main; "
+    block = ("import sys; sys.modules['matplotlib'] = None; from auditor.cli.audit import main; "
              f"sys.exit(main([{str(DEMO)!r}, '--format', 'html', '--output', {str(page)!r}]))")
     done = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2

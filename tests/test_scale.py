@@ -89,7 +89,8 @@ def test_newton_leaves_argmaxable_rows_alone(rng):
     """Outside the hull the maximum-entropy problem has no minimiser: the stage must not certify."""
     W = gaussian_head(rng, 300, 5)
     vertices = set(auditor.audit(W, progress=False).ids("argmaxable"))
-    from auditor.engine import build_engine_head, duplicate_groups as groups
+    from auditor.engine.head import build_engine_head
+    from auditor.engine.ties import duplicate_groups as groups
     from auditor.engine.tilt import tilted_certificates
     from auditor.domain import Unbounded
 
@@ -119,7 +120,7 @@ def test_hashed_duplicate_groups_match_numpy_unique(rng):
 
 
 def _run(*args, command="auditor"):
-    module = "auditor" if command == "auditor" else "auditor.merge"
+    module = "auditor" if command == "auditor" else "auditor.cli.merge"
     return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
 
 

@@ -28,8 +28,8 @@ import numpy as np
 import scipy.optimize
 import torch
 
-from auditor.domain import Ball
-from auditor.engine.certify import _EXACT_GAP_ROWS, check_convex, check_witnesses
+from auditor._io import quiet_stdout
+from auditor.engine.certify import EXACT_GAP_ROWS, check_convex, check_witnesses
 from auditor.engine.head import EngineHead
 
 
@@ -65,18 +65,15 @@ def _solve(head: EngineHead, k: int, rivals: np.ndarray):
             rival = A @ z - t >= 0
     else:
         rival = A @ z + (c if c is not None else 0.0) - t >= 0
-        if isinstance(domain, Ball):
-            constraints = [cp.norm(z, 2) <= domain.radius]
-        else:
-            constraints = [z <= domain.radius, z >= -domain.radius]
+        constraints = domain.constraints(z)
     problem = cp.Problem(cp.Maximize(t), [rival] + constraints)
     # Tight tolerances: near-boundary tokens have margins far below the solvers' defaults.
-    if isinstance(domain, Ball):
-        options = {"solver": cp.CLARABEL, "tol_feas": 1e-11, "tol_gap_abs": 1e-11, "tol_gap_rel": 1e-11}
-    else:
+    if domain.polyhedral:
         options = {"solver": cp.HIGHS, "primal_feasibility_tolerance": 1e-10, "dual_feasibility_tolerance": 1e-10}
+    else:
+        options = {"solver": cp.CLARABEL, "tol_feas": 1e-11, "tol_gap_abs": 1e-11, "tol_gap_rel": 1e-11}
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), quiet_stdout():  # HiGHS prints a banner to stdout, the report's stream
             warnings.simplefilter("ignore")  # "may be inaccurate": every answer is checked in float64 anyway
             problem.solve(**options)
     except (cp.error.SolverError, ValueError, ArithmeticError):
@@ -161,7 +158,7 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
         key = (not check.accepted, check.residual)
         if best is None or key < best[0]:
             best = (key, idx[nz], w[nz], check)
-    if not best[3].accepted and best[2].size <= _EXACT_GAP_ROWS:
+    if not best[3].accepted and best[2].size <= EXACT_GAP_ROWS:
         # A value zero only in exact arithmetic (a row exactly between others, its bias exactly between
         # theirs) needs the exact weights, which a solve gives only up to rounding: they are usually
         # fractions with small denominators, which float64 weights represent after normalisation when

@@ -11,7 +11,7 @@ import html
 import shlex
 from pathlib import Path
 
-import auditor
+from auditor._version import __version__
 from auditor.errors import InputError
 from auditor.formats._common import (FINDING_ORDER, competitors, evidence, has_token_strings, head_lines,
                                      is_failing, left_out_line, token_label, verdict_counts)
@@ -204,7 +204,7 @@ def reproduce_command(result: GateResult) -> str:
 
 
 def _footer(command: str) -> str:
-    return ("<footer><p>auditor " + _e(auditor.__version__) + ". Every verdict carries a certificate; "
+    return ("<footer><p>auditor " + _e(__version__) + ". Every verdict carries a certificate; "
             "add <code>--certificates FILE</code> to keep them and re-check with <code>auditor.verify</code>.</p>"
             f"<p>Reproduce: <code class=\"command\">{_e(command)}</code></p></footer>")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 
-import auditor
+from auditor._version import __version__
 from auditor.baseline import vocabulary_fingerprint
 from auditor.gate import GateResult
 
@@ -45,7 +45,7 @@ def document(result: GateResult) -> dict:
     failing = {id(f) for f in result.failing}  # the gate decides what fails; the document records it
     return {
         "schema_version": SCHEMA_VERSION,
-        "tool": {"name": "auditor", "version": auditor.__version__},
+        "tool": {"name": "auditor", "version": __version__},
         "head": head_section(head, report.factorised),
         "run": {"threads": report.threads, "device": report.device},
         "domain": str(report.domain),

@@ -1,0 +1,84 @@
+"""Files and streams: written whole or not at all, refused before the work, read back with one-line errors."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from auditor.errors import InputError
+
+
+def check_writable(path: Path) -> None:
+    """Refuse an output path before any work is done, rather than after."""
+    folder = path.resolve().parent
+    if not folder.is_dir():
+        raise InputError(f"{path}: the folder {folder} does not exist")
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder, not a file")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"{path}: the folder {folder} is not writable")
+
+
+def write_atomically(files: dict[Path, str]) -> None:
+    """Write every file via a temporary beside it, then rename them all: readers never see half a
+    report, and a failure leaves none of them behind."""
+    mask = os.umask(0)
+    os.umask(mask)
+    temporaries: dict[Path, str] = {}
+    path = None  # the file being written, for the error message
+    try:
+        for path, text in files.items():
+            handle, temporary = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=".tmp")
+            temporaries[path] = temporary
+            with os.fdopen(handle, "w", encoding="utf-8") as stream:
+                stream.write(text)
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.chmod(temporary, 0o666 & ~mask)  # mkstemp makes 0600; a report should be as readable as any file
+        for path, temporary in temporaries.items():
+            os.replace(temporary, path)
+    except OSError as error:
+        for temporary in temporaries.values():
+            Path(temporary).unlink(missing_ok=True)
+        raise InputError(f"cannot write {path}: {error.strerror or error}") from None
+    except BaseException:
+        for temporary in temporaries.values():
+            Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def read_json_report(path: Path, label: str):
+    """The parsed JSON of a report file; ``label`` starts each error line (the path, or the option and path)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{label}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InputError(f"{label}: not a JSON report ({error})") from None
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """Send what native code prints to standard output (a solver's banner) to the null device inside the block.
+
+    Standard output carries the report (``--format json`` is piped into other tools), so nothing else may reach
+    it; the redirection is of file descriptor 1 itself, which C and C++ libraries write to directly.
+    """
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1 at all: nothing can reach it
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

@@ -1,0 +1,87 @@
+"""What the three commands share: a parser whose usage errors are one line, common options, one-line failures.
+
+The commands themselves (``audit``, ``audit-verify``, ``audit-merge``) live in
+``cli/audit.py``, ``cli/verify.py`` and ``cli/merge.py``: each wires the
+layers below it together and holds no logic of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from auditor._version import __version__
+from auditor.errors import EXIT_ERROR, AuditorError, InputError
+
+# where a final norm is looked for, as the error says when none is found
+_NORM_TENSORS = "model.norm.weight, transformer.ln_f.weight, output_norm.weight, ..."
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse, but a usage error exits 2 with one line, like every other error."""
+
+    def error(self, message):
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_head_options(parser: argparse.ArgumentParser, weight_help: str) -> None:
+    """--weight and --bias: which tensors of the checkpoint are the head."""
+    parser.add_argument("--weight", metavar="NAME", help=weight_help)
+    parser.add_argument("--bias", metavar="NAME", help="the head's bias tensor (default: detected; 'none' for no bias)")
+
+
+def add_norm_unit_offset_option(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("--norm-unit-offset", action="store_true", help=help_text)
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """--quiet, --debug and --version."""
+    parser.add_argument("--quiet", action="store_true", help="no progress bars (they show only when stderr is a terminal)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="version", version=f"auditor {__version__}")
+
+
+def shows_progress(args: argparse.Namespace) -> bool:
+    """Progress bars in a terminal, never in CI logs, and never with --quiet."""
+    return not args.quiet and sys.stderr.isatty()
+
+
+def checkpoint_final_norm(head, path, needed_by: str, unit_offset: bool):
+    """The checkpoint's final norm, which ``needed_by`` (the start of the error line) needs; --norm-unit-offset applied."""
+    if head.final_norm is None:
+        raise InputError(f"{path}: {needed_by}, but no known final-norm tensor was found ({_NORM_TENSORS})")
+    norm = head.final_norm
+    if unit_offset:
+        norm.unit_offset = True
+    return norm
+
+
+def guarded(prog: str, run, args: argparse.Namespace) -> int:
+    """``run(args)``, with every failure turned into one line on stderr and exit 2 (a traceback
+    only with --debug). Shared by the commands so that they fail alike."""
+    try:
+        return run(args)
+    except AuditorError as error:
+        if args.debug:
+            raise
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as error:  # an unexpected failure still gets one line; --debug shows where
+        if args.debug:
+            raise
+        print(f"{prog}: error: {type(error).__name__}: {error} (run with --debug for the traceback)", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"takes a positive integer, got {text!r}")
+    return count

@@ -1,0 +1,238 @@
+"""The ``audit`` command: loader -> engine -> gate -> format, and nothing else.
+
+Exit codes: 0 no failing finding, 1 at least one, 2 usage, load or input
+error (one line on stderr, no traceback unless --debug, no file left behind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from auditor._io import check_writable, write_atomically
+from auditor._threads import resolve_threads
+from auditor.api import audit
+from auditor.baseline import Baseline
+from auditor.blocks import AuditJob, audit_in_blocks
+from auditor.certificates import certificates_document
+from auditor.cli import (CommandParser, add_head_options, add_norm_unit_offset_option, add_run_options,
+                         checkpoint_final_norm, guarded, positive_int, shows_progress)
+from auditor.distributed import DEFAULT_TIMEOUT_S, Launch, run_on_ranks
+from auditor.domain import Norm, parse_domain
+from auditor.errors import EXIT_CLEAN, EXIT_FINDINGS, InputError
+from auditor.formats import DOCUMENT_FORMATS, FORMATS
+from auditor.formats.html import require_matplotlib
+from auditor.gate import AllowList, parse_fail_on, run_gate
+from auditor.loader import list_tensors, load_head
+
+
+_EPILOG = """\
+exit codes:
+  0  no failing finding
+  1  failing findings: a verdict in --fail-on, not allowed (nor unchanged since --baseline)
+  2  usage, load or input error (one line on stderr; --debug shows the traceback)
+
+examples:
+  # audit a model folder and print a text report
+  audit model/
+  # a model on the Hugging Face Hub, at a branch, tag or commit (fetches only the head's files)
+  audit org/name@main
+  # the complete report as JSON, written atomically
+  audit model/ --format json --output report.json
+  # in CI: expected findings pass, every certificate is kept for re-checking
+  audit model/ --allow allow.txt --certificates certs.json --format markdown --output audit.md
+  # over the final norm's outputs; also flag tokens that can never reach probability 0.5
+  audit model/ --domain norm --ceiling 0.5
+  # fail only on findings that an earlier JSON report did not have
+  audit model/ --baseline base.json
+  # four shards (on four machines, or one after another), then one report
+  audit model/ --shard 1/4 --format json --output part1.json    # ... 2/4, 3/4, 4/4
+  audit-merge part1.json part2.json part3.json part4.json --format markdown
+  # a resumable audit: rerun the same command after a stop and the decided blocks are kept
+  audit model/ --work-dir audit-work/ --format json --output report.json
+  # over 8 processes on one node (each on its own GPU when there are GPUs), one report
+  torchrun --nproc-per-node 8 -m auditor model/ --format json --output report.json
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(prog="audit", description="Find the tokens of a language model's head that can never be its "
+                                               "top prediction, and prove every verdict.",
+                     epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", help="a checkpoint file (safetensors, a torch .bin/.pt, .npy/.npz or GGUF, recognised "
+                                     "by its contents), a model folder, or a model on the Hugging Face Hub: org/name "
+                                     "or org/name@revision (needs auditor[hub]; only the files the head needs are "
+                                     "fetched, the cache first)")
+    add_head_options(parser, "the head's weight tensor (default: detected), or A@B for the head A @ B (a name ending "
+                             "in .T is transposed): decided exactly on A when B has full row rank")
+    parser.add_argument("--domain", default="unbounded",
+                        help="unbounded (default), ball:R, box:R, or norm (the outputs of the checkpoint's final norm)")
+    add_norm_unit_offset_option(parser, "the final norm multiplies by 1 + weight (Gemma's convention; detected from "
+                                        "config.json)")
+    parser.add_argument("--device", default="auto", help="auto (default: CUDA when available), cpu or cuda")
+    parser.add_argument("--threads", type=positive_int, metavar="N",
+                        help="CPU threads for torch (default: OMP_NUM_THREADS when set, else torch's default)")
+    parser.add_argument("--ceiling", type=float, metavar="P",
+                        help="also compute each token's largest reachable probability (bounded domains) and report "
+                             "argmaxable tokens that can never reach P as low-ceiling findings")
+    parser.add_argument("--tokens", metavar="IDS", help="decide only these ids, e.g. 0-99,50256,128000- (the rest are undecided)")
+    parser.add_argument("--shard", metavar="I/N",
+                        help="decide only the I-th of N equal contiguous parts of the vocabulary (1 <= I <= N); "
+                             "merge the shards' JSON reports with audit-merge")
+    parser.add_argument("--work-dir", type=Path, metavar="DIR",
+                        help="keep each decided block of tokens in DIR, so that the same command run again after a "
+                             "stop resumes (the folder is bound to this head and these settings)")
+    parser.add_argument("--block-size", type=positive_int, metavar="N",
+                        help="token ids per block with --work-dir or under torchrun (default: 16384 with "
+                             "--work-dir; under torchrun without it, one block per rank)")
+    parser.add_argument("--dist-timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                        help="under torchrun: how long a rank waits for the others (default: "
+                             f"{DEFAULT_TIMEOUT_S:g}); more than one block takes")
+    parser.add_argument("--format", choices=sorted(FORMATS), default="text", help="report format (default: text)")
+    parser.add_argument("--output", type=Path, metavar="FILE", help="write the report to FILE (atomically) instead of stdout")
+    parser.add_argument("--fail-on", default="unargmaxable,tied,inconclusive,low-ceiling", metavar="VERDICTS",
+                        help="verdicts that fail the run (default: unargmaxable,tied,inconclusive,low-ceiling; "
+                             "'none' never fails)")
+    parser.add_argument("--allow", type=Path, metavar="FILE", help="expected findings: token ids or exact token strings, one per line")
+    parser.add_argument("--baseline", type=Path, metavar="REPORT",
+                        help="an earlier --format json report of the same vocabulary (the base model, the last "
+                             "release): findings are marked new or unchanged, and only new ones fail")
+    parser.add_argument("--certificates", type=Path, metavar="FILE", help="write every certificate as JSON, for re-checking")
+    parser.add_argument("--list-tensors", action="store_true", help="list the checkpoint's 2-D tensors and exit")
+    add_run_options(parser)
+    parser.set_defaults(ranks=None)  # under torchrun: this process's auditor.distributed.Ranks
+    return parser
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"takes a positive number of seconds, got {text!r}")
+    return seconds
+
+
+def parse_token_ids(text: str, n: int) -> list[int]:
+    """``"0-99,1000,2000-"`` -> ids; an open range runs to the last row."""
+    ids: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        start, dash, stop = part.partition("-")
+        try:
+            first = int(start)
+            last = (int(stop) if stop else n - 1) if dash else first
+        except ValueError:
+            raise InputError(f"--tokens: {part!r} is not an id or a range like 10-20") from None
+        if first > last:
+            raise InputError(f"--tokens: the range {part!r} runs backwards")
+        if first < 0 or last >= n:
+            raise InputError(f"--tokens: {part!r} is outside the vocabulary 0..{n - 1}")
+        ids.extend(range(first, last + 1))
+    if not ids:
+        raise InputError("--tokens: no token ids given")
+    return ids
+
+
+def parse_shard(text: str, n: int) -> tuple[int, int, range]:
+    """``"2/4"`` -> (2, 4, the ids of the second quarter of 0..n-1)."""
+    index, slash, count = text.partition("/")
+    try:
+        i, total = int(index), int(count)
+    except ValueError:
+        raise InputError(f"--shard takes I/N, such as 2/4, got {text!r}") from None
+    if not slash or total < 1 or not 1 <= i <= total:
+        raise InputError(f"--shard {text}: I must be between 1 and N")
+    return i, total, range((i - 1) * n // total, i * n // total)
+
+
+def _list_tensors(path: Path) -> str:
+    rows = [info for info in list_tensors(path) if len(info.shape) == 2]
+    width = max((len(info.name) for info in rows), default=4)
+    return "".join(f"{info.name:<{width}}  {' x '.join(map(str, info.shape)):>14}  {info.dtype}\n" for info in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_tensors:
+        listing = _list_tensors(args.path)
+        if args.ranks is None or args.ranks.is_root:  # under torchrun, once
+            sys.stdout.write(listing)
+        return 0
+    in_blocks = args.work_dir is not None or args.ranks is not None
+    if args.format == "html":  # its plots need matplotlib: say so before the audit, not after
+        if in_blocks:  # its plots need every token's margin, which the blocks' reports do not carry
+            raise InputError("--format html needs the whole audit in one process: with --work-dir or under "
+                             "torchrun write --format json, text or markdown")
+        require_matplotlib()
+    progress = shows_progress(args)
+    for target in (args.output, args.certificates):
+        if target is not None and (args.ranks is None or args.ranks.is_root):  # only rank 0 writes them
+            check_writable(target)
+    domain = parse_domain(args.domain)  # a typo should not cost a checkpoint load
+    resolve_threads(args.threads)  # nor a bad OMP_NUM_THREADS
+    fail_on = parse_fail_on(args.fail_on)
+    allow = AllowList.read(args.allow) if args.allow else None
+    baseline = Baseline.read(args.baseline) if args.baseline else None
+    started = time.perf_counter()
+    head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress,
+                     need_norm=domain == Norm())
+    load_seconds = time.perf_counter() - started
+    if baseline is not None:
+        baseline.check(head, domain, args.ceiling)
+    # "--tokens ''" is a mistake to report, not a request to audit everything
+    tokens = parse_token_ids(args.tokens, head.shape[0]) if args.tokens is not None else None
+    shard = None
+    if args.shard:
+        index, count, part = parse_shard(args.shard, head.shape[0])
+        tokens = [k for k in tokens if k in part] if tokens is not None else list(part)
+        shard = {"index": index, "count": count, "first": part.start, "stop": part.stop}
+        if not tokens:
+            raise InputError(f"--shard {args.shard}: no tokens to decide in ids {part.start}..{part.stop - 1}")
+    final_norm = None
+    if domain == Norm():
+        final_norm = checkpoint_final_norm(head, args.path, "--domain norm needs the final norm", args.norm_unit_offset)
+    if args.ceiling is not None and not 0 < args.ceiling <= 1:
+        raise InputError(f"--ceiling takes a probability in (0, 1], got {args.ceiling}")
+    if in_blocks:
+        job = AuditJob(head, domain, args.device, args.threads, final_norm, args.ceiling, fail_on, allow, baseline,
+                       allow_path=args.allow, baseline_path=args.baseline,
+                       certificates=args.certificates is not None or args.work_dir is not None)
+        merged = audit_in_blocks(job, tokens, shard, load_seconds, work_dir=args.work_dir, block_size=args.block_size,
+                                 ranks=args.ranks, progress=progress)
+        if merged is None:  # another rank writes the report
+            return EXIT_CLEAN
+        document, certificates = merged
+        warnings, rendered = document["warnings"], DOCUMENT_FORMATS[args.format](document)
+        exit_code = EXIT_FINDINGS if document["summary"]["failing"] else EXIT_CLEAN
+    else:
+        report = audit(head.audited, head.bias, domain=domain, device=args.device, tokens=tokens,
+                               progress=progress, final_norm=final_norm, probability_ceiling=args.ceiling is not None,
+                               threads=args.threads)
+        result = run_gate(head, report, fail_on, allow, load_seconds, args.ceiling, baseline)
+        result.shard = shard
+        warnings, rendered, exit_code = result.warnings, FORMATS[args.format](result), result.exit_code
+        certificates = certificates_document(head, report) if args.certificates else None
+    for warning in warnings:
+        print(f"audit: warning: {warning}", file=sys.stderr)
+    files: dict[Path, str] = {}
+    if args.certificates:
+        files[args.certificates] = json.dumps(certificates, allow_nan=False) + "\n"
+    if args.output:
+        files[args.output] = rendered
+    write_atomically(files)
+    if not args.output:
+        sys.stdout.write(rendered)
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if Launch.from_environment() is not None:  # a rank of a torchrun launch: one audit over all ranks
+        return run_on_ranks("audit", run, args)
+    return guarded("audit", run, args)
