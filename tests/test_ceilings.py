@@ -123,14 +123,14 @@ def float32_and_float64_bounds(W, b, domain, points):
 
     weight = torch.as_tensor(W, dtype=torch.float64)
     bias = torch.as_tensor(b, dtype=torch.float64)
-    scale = ceiling._Scale(weight, bias, 0.0, 0.0, domain)
+    scale = ceiling.Scale(weight, bias, 0.0, 0.0, domain)
     assert ceiling._fits_float32(scale)
-    single = ceiling._Float32Certifier(weight, bias, scale)
+    single = ceiling.Float32Certifier(weight, bias, scale)
     k = torch.arange(W.shape[0])
-    z = ceiling._project(domain, torch.as_tensor(points, dtype=torch.float64))
-    found = single.certify(k, z, domain, 1e-4, ceiling._Buffers())
+    z = ceiling.project(domain, torch.as_tensor(points, dtype=torch.float64))
+    found = single.certify(k, z, domain, 1e-4, ceiling.Buffers())
     lower32, upper32 = found.lower.numpy(), found.upper.numpy()
-    lower64, upper64, _ = ceiling._certify(weight, bias, k, z, domain, 1e-4, scale)
+    lower64, upper64, _ = ceiling.certify_float64(weight, bias, k, z, domain, 1e-4, scale)
     return z.numpy(), (lower32, upper32), (lower64, upper64)
 
 
@@ -209,7 +209,7 @@ def test_float32_stands_aside_where_logits_leave_its_range():
 
     for factor in (2.0**70, 2.0**-70):
         weight = torch.eye(3, dtype=torch.float64) * factor
-        scale = ceiling._Scale(weight, None, 0.0, 0.0, auditor.Ball(1.0))
+        scale = ceiling.Scale(weight, None, 0.0, 0.0, auditor.Ball(1.0))
         assert not ceiling._fits_float32(scale)
 
 
@@ -255,7 +255,7 @@ def test_the_gaussian_start_minimises_its_quadratic_model_over_the_ball(rng, bia
     pi /= pi.sum()
     mean = pi @ W
     S = (W - mean).T @ ((W - mean) * pi[:, None])
-    model = ceiling._GaussianModel(torch.as_tensor(W), torch.as_tensor(b) if bias_scale else None)
+    model = ceiling.GaussianModel(torch.as_tensor(W), torch.as_tensor(b) if bias_scale else None)
     for radius in (0.3, 2.0, 50.0):
         starts = model.start(torch.arange(10), auditor.Ball(radius)).numpy()
         for k in range(10):
