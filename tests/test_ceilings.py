@@ -127,7 +127,7 @@ def float32_and_float64_bounds(W, b, domain, points):
     assert ceiling._fits_float32(scale)
     single = ceiling.Float32Certifier(weight, bias, scale)
     k = torch.arange(W.shape[0])
-    z = ceiling.project(domain, torch.as_tensor(points, dtype=torch.float64))
+    z = domain.project_rows(torch.as_tensor(points, dtype=torch.float64))
     found = single.certify(k, z, domain, 1e-4, ceiling.Buffers())
     lower32, upper32 = found.lower.numpy(), found.upper.numpy()
     lower64, upper64, _ = ceiling.certify_float64(weight, bias, k, z, domain, 1e-4, scale)

@@ -20,7 +20,7 @@ from auditor.domain import Ball, Box, Domain
 from auditor.engine.ceiling.bounds import (FLOAT32_REACH, Float32Certifier, Scale, certify_float64,
                                            float64_run)
 from auditor.engine.ceiling.fallback import cvxpy_point
-from auditor.engine.ceiling.objective import Buffers, Steering, project, steering_dtype
+from auditor.engine.ceiling.objective import Buffers, Steering, steering_dtype
 from auditor.engine.ceiling.search import solve_batch, spg, steering_run
 from auditor.engine.ceiling.start import GaussianModel
 
@@ -81,7 +81,7 @@ def probability_ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: n
     count = len(ids)
     if weight.shape[0] == 1:  # no rival: the only token has probability 1 everywhere
         point = weight[torch.as_tensor(ids, device=weight.device)] if start is None else start
-        return Ceilings(np.ones(count), np.ones(count), project(domain, point.to(torch.float64)).cpu().numpy(),
+        return Ceilings(np.ones(count), np.ones(count), domain.project_rows(point.to(torch.float64)).cpu().numpy(),
                         np.full(count, -np.inf), np.full(count, -1, dtype=np.int64))
     weight = weight.to(torch.float64)
     bias = bias.to(torch.float64) if bias is not None else None
@@ -134,10 +134,10 @@ def _steer_and_certify(problem: _Problem, found: Ceilings, fast: Steering, model
         block = slice(s, min(s + steering_batch, count))
         k = torch.as_tensor(ids[block], device=weight.device)
         z = model.start(k, domain) if model is not None else start[block].to(torch.float64)
-        z = project(domain, z)
+        z = domain.project_rows(z)
         z = spg(steering_run(fast.evaluate, domain, gap * _STEERING_GAP), k, z.to(fast.compute), domain,
                 gap * _STEERING_GAP, _STEERING_ITERATIONS, scale.max_norm, problem.first_step)[2]
-        steered = project(domain, z.to(torch.float64))
+        steered = domain.project_rows(z.to(torch.float64))
         for t in range(block.start, block.stop, batch):
             part = slice(t, min(t + batch, block.stop))
             k = torch.as_tensor(ids[part], device=weight.device)
@@ -192,7 +192,7 @@ def _solve_interior(problem: _Problem, found: Ceilings) -> None:
         z = cvxpy_point(weight, bias, int(ids[j]), domain)
         if z is not None:
             k = torch.as_tensor(ids[j:j + 1], device=weight.device)
-            lo, up, zz = solve_batch(weight, bias, k, project(domain, z[None, :]), domain, gap, 50, problem.scale)
+            lo, up, zz = solve_batch(weight, bias, k, domain.project_rows(z[None, :]), domain, gap, 50, problem.scale)
             if lo[0] > found.lower[j]:  # the point stays with the bound reached at it
                 if found.margin[j] > 0:  # the witness stays where it was proved
                     found.moved.setdefault(j, found.point[j].copy())

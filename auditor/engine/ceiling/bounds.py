@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from auditor.engine.ceiling.objective import (Buffers, dual, evaluate, probability, probability_above,
-                                              probability_below, support)
-from auditor.engine.certify import inside_domain
+                                              probability_below)
 from auditor.engine.head import robust_row_norms
 from auditor.engine.rounding import UNIT_ROUNDOFF_32, gamma, ieee_float32_products, safe_norm
 
@@ -171,7 +170,8 @@ class Float32Certifier:
         # (a float64 difference of float32 numbers: exact but for a far-apart pair's last bit)
         lead = (own - top.to(torch.float64)) * (1 - 2.0**-50)
         margin = lead - self._logit_error(k, size, scale.max_norm, scale.max_bias) - self._common_error(size, shift=False)
-        margin = torch.where((margin > 0) & inside_domain(domain, z), margin, torch.full_like(margin, -torch.inf))
+        inside = domain.contains_rows(z, lambda rows: safe_norm(rows, dim=1))
+        margin = torch.where((margin > 0) & inside, margin, torch.full_like(margin, -torch.inf))
         y = logits.sub_(top[:, None])  # y_i <= 0, the largest 0
         e = torch.exp(y, out=buffers.get("terms32", shape, torch.float32, z.device))  # 0 at k
         y[rows, k] = 0.0  # so that e_k y_k = 0
@@ -238,7 +238,7 @@ class Float32Certifier:
         # gamma of its size more; -sum_i e_i y_i within gamma (the products within u)
         entropy = (torch.log(total) - 2 * self.sum_factor + entropy_part * (1 - 3 * self.sum_factor) / total
                    - self.exp_error)
-        support_value = support(domain, -v)
+        support_value = domain.support_rows(-v)
         bound = entropy + bias_mean - support_value
         # ||v - exact v|| <= 3 gamma (sum_i q_i ||w_i||) + 2 row_error (the products, the rows' float32
         # rounding, the division by ``total``), paid over the domain's reach; the bias mean within

@@ -1,36 +1,20 @@
 """The objective F_k over the domain: its value and gradient at a batch of points, the probability it gives.
 
 F_k(z) = log sum_{i != k} exp(l_i(z) - l_k(z)) and p_k(z) = 1 / (1 + exp(F_k(z))); the linearisation
-at z bounds min_D F_k from below by F_k(z) - g.z - s_D(-g), g the gradient (``dual``). The domain
-enters through its projection and its support function s_D. Nothing here allows for rounding:
-bounds.py does.
+at z bounds min_D F_k from below by F_k(z) - g.z - s_D(-g), g the gradient (``dual``, with the
+domain's support function). Nothing here allows for rounding: bounds.py does.
 """
 
 from __future__ import annotations
 
 import torch
 
-from auditor.domain import Ball, Domain
-
-
-def project(domain: Domain, z: torch.Tensor) -> torch.Tensor:
-    """The rows of ``z`` moved into the domain (the nearest point of it)."""
-    if isinstance(domain, Ball):  # onto a sphere a hair inside, so rounding cannot carry the point out
-        norm = torch.linalg.vector_norm(z, dim=1, keepdim=True)
-        return z * torch.clamp((1 - 1e-12) * domain.radius / torch.clamp(norm, min=1e-300), max=1.0)
-    return z.clamp(-domain.radius, domain.radius)
-
-
-def support(domain: Domain, v: torch.Tensor) -> torch.Tensor:
-    """s_D(v) = max_{z in D} v.z for each row of ``v``."""
-    if isinstance(domain, Ball):
-        return domain.radius * torch.linalg.vector_norm(v, dim=1)
-    return domain.radius * v.abs().sum(dim=1)
+from auditor.domain import Domain
 
 
 def dual(domain: Domain, value: torch.Tensor, gradient: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """F - g.z - s_D(-g): the linearisation's lower bound on min_D F_k, from F_k and its gradient at z."""
-    return value - (gradient * z).sum(dim=1) - support(domain, -gradient)
+    return value - (gradient * z).sum(dim=1) - domain.support_rows(-gradient)
 
 
 class Buffers:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from auditor.engine.ceiling.bounds import Scale, float64_run
-from auditor.engine.ceiling.objective import Buffers, dual, probability, project
+from auditor.engine.ceiling.objective import Buffers, dual, probability
 
 _MEMORY = 10  # values the non-monotone acceptance test looks back over
 
@@ -51,7 +51,7 @@ def spg(evaluate, k, z, domain, gap, iterations, max_norm, first_step: float | N
         if not bool(active.any()):
             break
         idx = torch.nonzero(active).flatten()
-        zi = project(domain, z[idx] - step[idx, None] * gradient[idx])
+        zi = domain.project_rows(z[idx] - step[idx, None] * gradient[idx])
         vi, gi, li, ui, si = evaluate(k[idx], zi)
         # sufficient decrease against the worst recent value, 1e-4 of the first-order decrease: no
         # step length in it, so that the test does not change when the head or the domain is rescaled

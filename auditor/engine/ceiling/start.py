@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from auditor.domain import Ball, Domain
+from auditor.domain import Domain
 
 
 class GaussianModel:
@@ -34,8 +34,8 @@ class GaussianModel:
         if not self.usable:
             return self.weight[k].clone()
         pull = (self.weight[k] - self.mean) @ self.axes  # w_k - m in the covariance's axes
-        # a box is started from the ball through its corners, then clipped
-        radius = domain.radius if isinstance(domain, Ball) else domain.reach(self.weight.shape[1])
+        # over the ball through the domain's farthest points (a box's corners; the caller clips)
+        radius = domain.reach(self.weight.shape[1])
         size = torch.linalg.vector_norm(pull, dim=1)
         inside = torch.zeros_like(size)
         outside = size / radius  # lambda here gives ||(S + lambda)^-1 pull|| <= ||pull|| / lambda = radius
