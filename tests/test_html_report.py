@@ -244,7 +244,7 @@ def test_page_is_one_well_formed_html5_document(demo_page):
 
 
 def test_projection_matches_an_svd_of_the_centred_rows(monkeypatch):
-    from auditor.formats import _plots
+    from auditor import plot_data as _plots
 
     monkeypatch.setattr(_plots, "_BLOCK_VALUES", 7 * 16)  # blocks of 7 rows: the sums run over many blocks
     rng = np.random.default_rng(3)

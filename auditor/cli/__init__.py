@@ -76,12 +76,21 @@ def guarded(prog: str, run, args: argparse.Namespace) -> int:
         return EXIT_ERROR
 
 
+def _positive(text: str, parse, what: str):
+    try:
+        value = parse(text)
+    except ValueError:
+        value = 0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"takes a positive {what}, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: a positive integer."""
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"takes a positive integer, got {text!r}")
-    return count
+    return _positive(text, int, "integer")
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a positive, finite number of seconds."""
+    return _positive(text, float, "number of seconds")

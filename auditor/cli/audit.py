@@ -19,7 +19,7 @@ from auditor.baseline import Baseline
 from auditor.blocks import AuditJob, audit_in_blocks
 from auditor.certificates import certificates_document
 from auditor.cli import (CommandParser, add_head_options, add_norm_unit_offset_option, add_run_options,
-                         checkpoint_final_norm, guarded, positive_int, shows_progress)
+                         checkpoint_final_norm, guarded, positive_int, positive_seconds, shows_progress)
 from auditor.distributed import DEFAULT_TIMEOUT_S, Launch, run_on_ranks
 from auditor.domain import Norm, parse_domain
 from auditor.errors import EXIT_CLEAN, EXIT_FINDINGS, InputError
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=positive_int, metavar="N",
                         help="token ids per block with --work-dir or under torchrun (default: 16384 with "
                              "--work-dir; under torchrun without it, one block per rank)")
-    parser.add_argument("--dist-timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+    parser.add_argument("--dist-timeout", type=positive_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help="under torchrun: how long a rank waits for the others (default: "
                              f"{DEFAULT_TIMEOUT_S:g}); more than one block takes")
     parser.add_argument("--format", choices=sorted(FORMATS), default="text", help="report format (default: text)")
@@ -105,16 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_options(parser)
     parser.set_defaults(ranks=None)  # under torchrun: this process's auditor.distributed.Ranks
     return parser
-
-
-def _seconds(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = 0.0
-    if not seconds > 0 or seconds == float("inf"):
-        raise argparse.ArgumentTypeError(f"takes a positive number of seconds, got {text!r}")
-    return seconds
 
 
 def parse_token_ids(text: str, n: int) -> list[int]:

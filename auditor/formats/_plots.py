@@ -1,8 +1,8 @@
-"""The HTML report's figures, drawn with matplotlib and returned as inline SVG.
+"""The HTML report's figures, drawn with matplotlib from the JSON document and its plot data, as inline SVG.
 
 Every figure is a ``matplotlib.figure.Figure`` made directly (never pyplot, whose
-global state would leak windows and memory in a long-running process). The head
-is read in float64 blocks of rows, never copied whole.
+global state would leak windows and memory in a long-running process). The
+per-row numbers come from auditor/plot_data.py: nothing here reads the head.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from auditor.explain import id_ranges
-from auditor.gate import GateResult
+from auditor.plot_data import PlotData
 
 VERDICT_COLOURS = {"argmaxable": "#4c78a8", "unargmaxable": "#d62728", "tied": "#ff7f0e",
                    "inconclusive": "#9467bd", "low-ceiling": "#8c564b"}
 _MARKERS = {"unargmaxable": "X", "tied": "D", "inconclusive": "s", "low-ceiling": "v"}
 _BACKGROUND = "#4c78a8"
-_BLOCK_VALUES = 1 << 23  # 64 MB of float64 per block of rows, whatever the hidden size
 _MAX_POINTS = 20000  # argmaxable rows drawn in the projection; flagged rows are always drawn
 _MAX_LABELS = 20  # annotate flagged rows by id only when there are this few
 
@@ -34,52 +33,6 @@ class Plot:
     title: str
     caption: str
     svg: str
-
-
-@dataclass
-class RowGeometry:
-    """Per-row facts computed once from the head: norms and the 2-D principal projection."""
-
-    norms: np.ndarray
-    projection: np.ndarray  # n x 2
-    explained: tuple[float, float]  # fraction of the variance along each of the two directions
-
-
-def _row_blocks(weight):
-    """Yield (start, float64 block of rows): bfloat16 and torch tensors included, one block at a time."""
-    rows = max(1, _BLOCK_VALUES // max(int(weight.shape[1]), 1))
-    for start in range(0, int(weight.shape[0]), rows):
-        block = weight[start:start + rows]
-        if hasattr(block, "detach"):  # a torch tensor: bfloat16 has no numpy dtype, so convert in torch
-            block = block.detach().cpu().double().numpy()
-        yield start, np.asarray(block, dtype=np.float64)
-
-
-def row_geometry(weight) -> RowGeometry:
-    """Row norms and the projection on the top-2 principal directions, via the d x d covariance."""
-    n, d = (int(s) for s in weight.shape)
-    norms, total, gram, shift = np.empty(n), np.zeros(d), np.zeros((d, d)), None
-    for start, block in _row_blocks(weight):
-        norms[start:start + len(block)] = np.linalg.norm(block, axis=1)
-        # sums about the first block's mean: no cancellation when the rows share a large common offset
-        shift = block.mean(axis=0) if shift is None else shift
-        centred = block - shift
-        total += centred.sum(axis=0)
-        gram += centred.T @ centred
-    offset = total / n
-    covariance = (gram - n * np.outer(offset, offset)) / max(n - 1, 1)
-    mean = shift + offset
-    values, vectors = np.linalg.eigh(covariance)
-    top = vectors[:, ::-1][:, :2]
-    if top.shape[1] < 2:  # a one-dimensional head: the second direction is empty
-        top = np.hstack([top, np.zeros((d, 1))])
-    top = top * np.where(top[np.abs(top).argmax(axis=0), [0, 1]] < 0, -1.0, 1.0)  # a fixed sign: same picture each run
-    projection = np.empty((n, 2))
-    for start, block in _row_blocks(weight):
-        projection[start:start + len(block)] = (block - mean) @ top
-    variance = max(values.sum(), np.finfo(float).tiny)
-    shares = (values[::-1][:2] / variance).tolist() + [0.0]
-    return RowGeometry(norms, projection, (shares[0], shares[1]))
 
 
 def _figure(height: float = 4.0):
@@ -104,6 +57,15 @@ def to_svg(figure, name: str, title: str) -> str:
     svg = re.sub(r'(url\(#|href="#)', rf"\1{name}-", svg)
     svg = re.sub(r'<svg ([^>]*?)width="[^"]*" height="[^"]*"', r'<svg \1', svg, count=1)  # CSS sizes it
     return svg.replace("<svg ", f'<svg role="img" aria-label="{html.escape(title)}" ', 1)
+
+
+def _finished(figure, ax, name: str, title: str, caption: str, *, xlabel: str, ylabel: str, legend: dict) -> Plot:
+    """Label the axes, add the legend and the title, and render the figure as the named plot."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(**legend)
+    ax.set_title(title)
+    return Plot(name, title, caption, to_svg(figure, name, title))
 
 
 def _label_points(ax, xs, ys, ids, colour, log_x=False, log_y=False):
@@ -133,18 +95,18 @@ def _label_points(ax, xs, ys, ids, colour, log_x=False, log_y=False):
                     bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.8})
 
 
-def _finding_positions(result: GateResult, margins: np.ndarray):
+def _finding_positions(doc: dict, margins: np.ndarray):
     """For each finding verdict: (ids, the margin to plot or NaN when it has no positive margin).
 
     Tied tokens carry their group's margin, inconclusive ones the upper bound of theirs,
     low-ceiling ones (argmaxable) their own; unargmaxable ones have none.
     """
     groups: dict[str, tuple[list[int], list[float]]] = {}
-    for f in result.findings:
-        value = f.bounds[1] if f.verdict == "inconclusive" and f.bounds else margins[f.id]
+    for f in doc["findings"]:
+        value = f["bounds"]["margin_upper"] if f["verdict"] == "inconclusive" and f["bounds"] else margins[f["id"]]
         value = value if value is not None and np.isfinite(value) and value > 0 else np.nan
-        ids, values = groups.setdefault(f.verdict, ([], []))
-        ids.append(f.id)
+        ids, values = groups.setdefault(f["verdict"], ([], []))
+        ids.append(f["id"])
         values.append(value)
     return {verdict: (ids, np.array(values)) for verdict, (ids, values) in groups.items()}
 
@@ -160,10 +122,11 @@ def _margin_range(values: np.ndarray) -> tuple[float, float]:
     return float(positive.min()), float(max(positive.max(), positive.min() * 10))
 
 
-def margin_histogram(result: GateResult, margins: np.ndarray, argmaxable: np.ndarray) -> Plot:
-    shown = margins[argmaxable]
+def margin_histogram(doc: dict, data: PlotData) -> Plot:
+    margins = data.margins
+    shown = margins[data.argmaxable]
     shown = shown[np.isfinite(shown) & (shown > 0)]
-    findings = _finding_positions(result, margins)
+    findings = _finding_positions(doc, margins)
     low, high = _margin_range(np.concatenate([shown] + [v for _, v in findings.values()]))
     edge = low / 8  # findings without a positive margin sit in a band left of every margin
     figure = _figure()
@@ -185,24 +148,22 @@ def margin_histogram(result: GateResult, margins: np.ndarray, argmaxable: np.nda
         x = np.where(np.isnan(values), edge, values)
         ax.vlines(x, 0, 0.12, transform=ax.get_xaxis_transform(), colors=VERDICT_COLOURS[verdict], linewidth=2,
                   label=f"{verdict} ({len(ids)}){_FINDING_NOTE[verdict]}", zorder=4)
-    ax.set_xlabel(_margin_label(result) + ", log scale")
-    ax.set_ylabel("tokens, log scale")
-    ax.legend(loc="best", fontsize=8, framealpha=0.9)
-    title = "How far each token's witness puts it ahead"
-    ax.set_title(title)
     caption = ("Each bar counts argmaxable tokens by their certified margin over the runner-up; ticks at the bottom "
                "mark findings, and tokens far to the left are the argmaxable ones closest to losing.")
-    return Plot("margins", title, caption, to_svg(figure, "margins", title))
+    return _finished(figure, ax, "margins", "How far each token's witness puts it ahead", caption,
+                     xlabel=_margin_label(doc) + ", log scale", ylabel="tokens, log scale",
+                     legend=dict(loc="best", fontsize=8, framealpha=0.9))
 
 
-def _margin_label(result: GateResult, formula: bool = True) -> str:
+def _margin_label(doc: dict, formula: bool = True) -> str:
     # an unbounded head without bias quotes its margins for z / ||z||, a scale-free number
-    unit_ball = str(result.report.domain) == "unbounded" and result.head.bias is None
+    unit_ball = doc["domain"] == "unbounded" and doc["head"]["bias"] is None
     return ("margin min_i (l_k(z) − l_i(z))" if formula else "margin") + (" on the unit ball" if unit_ball else "")
 
 
-def norm_scatter(result: GateResult, margins: np.ndarray, argmaxable: np.ndarray, geometry: RowGeometry) -> Plot:
-    findings = _finding_positions(result, margins)
+def norm_scatter(doc: dict, data: PlotData) -> Plot:
+    margins, argmaxable, norms = data.margins, data.argmaxable, data.geometry.norms
+    findings = _finding_positions(doc, margins)
     flagged = np.zeros(len(margins), dtype=bool)
     for ids, _ in findings.values():
         flagged[ids] = True
@@ -212,7 +173,7 @@ def norm_scatter(result: GateResult, margins: np.ndarray, argmaxable: np.ndarray
     figure = _figure(4.4)
     ax = figure.add_subplot()
     ax.set_yscale("log")
-    ax.scatter(geometry.norms[background], margins[background], s=3, alpha=0.35, linewidths=0,
+    ax.scatter(norms[background], margins[background], s=3, alpha=0.35, linewidths=0,
                color=VERDICT_COLOURS["argmaxable"], rasterized=True, label=f"other argmaxable rows ({background.sum()})")
     if any(np.isnan(values).any() for _, values in findings.values()):
         ax.axhspan(floor / 3, floor * 3, color="#eeeeee", zorder=0)
@@ -221,56 +182,52 @@ def norm_scatter(result: GateResult, margins: np.ndarray, argmaxable: np.ndarray
     labels = ([], [], [])
     for verdict, (ids, values) in findings.items():
         y = np.where(np.isnan(values), floor, values)
-        ax.scatter(geometry.norms[ids], y, s=40, marker=_MARKERS[verdict], color=VERDICT_COLOURS[verdict],
+        ax.scatter(norms[ids], y, s=40, marker=_MARKERS[verdict], color=VERDICT_COLOURS[verdict],
                    edgecolors="black", linewidths=0.5, zorder=5, label=f"{verdict} ({len(ids)})")
-        for part, values in zip(labels, (geometry.norms[ids], y, ids)):
+        for part, values in zip(labels, (norms[ids], y, ids)):
             part.extend(np.asarray(values).tolist())
     if 0 < len(labels[2]) <= _MAX_LABELS:
         _label_points(ax, *labels, colour="#222222", log_y=True)
     ax.set_ylim(floor / 3, high * 3)
-    ax.set_xlabel("row norm ‖w_k‖")
-    ax.set_ylabel(_margin_label(result, formula=False) + ", log scale")
-    ax.legend(loc="upper left", fontsize=8, frameon=False)
-    title = "Row norm against margin"
-    ax.set_title(title)
     caption = ("Each dot is a row of the head: short rows with small margins are the ones that barely win, and "
                "the marked findings show whether the rows that cannot win are short (mean-initialised) or copies.")
-    return Plot("norms", title, caption, to_svg(figure, "norms", title))
+    return _finished(figure, ax, "norms", "Row norm against margin", caption, xlabel="row norm ‖w_k‖",
+                     ylabel=_margin_label(doc, formula=False) + ", log scale",
+                     legend=dict(loc="upper left", fontsize=8, frameon=False))
 
 
-def projection_scatter(result: GateResult, argmaxable: np.ndarray, geometry: RowGeometry) -> Plot:
-    flagged = np.zeros(len(argmaxable), dtype=bool)
-    flagged[[f.id for f in result.findings]] = True
+def projection_scatter(doc: dict, data: PlotData) -> Plot:
+    found = [f["id"] for f in doc["findings"]]
+    flagged = np.zeros(len(data.argmaxable), dtype=bool)
+    flagged[found] = True
     background = np.nonzero(~flagged)[0]
     if len(background) > _MAX_POINTS:  # a fixed subsample: the same picture for the same head
         background = np.sort(np.random.default_rng(0).choice(background, _MAX_POINTS, replace=False))
-    points = geometry.projection
+    points = data.geometry.projection
     figure = _figure(5.2)
     ax = figure.add_subplot()
     sampled = f", {len(background)} shown" if len(background) < (~flagged).sum() else ""
     ax.scatter(points[background, 0], points[background, 1], s=3, alpha=0.3, linewidths=0, color=_BACKGROUND,
                rasterized=True, label=f"other rows ({(~flagged).sum()}{sampled})")
     by_verdict: dict[str, list[int]] = {}
-    for f in result.findings:
-        by_verdict.setdefault(f.verdict, []).append(f.id)
+    for f in doc["findings"]:
+        by_verdict.setdefault(f["verdict"], []).append(f["id"])
     for verdict, ids in by_verdict.items():
         ax.scatter(points[ids, 0], points[ids, 1], s=44, marker=_MARKERS[verdict], color=VERDICT_COLOURS[verdict],
                    edgecolors="black", linewidths=0.5, zorder=5, label=f"{verdict} ({len(ids)})")
-    if 0 < len(result.findings) <= _MAX_LABELS:
-        ids = [f.id for f in result.findings]
-        _label_points(ax, points[ids, 0], points[ids, 1], ids, colour="#222222")
-    ax.set_xlabel(f"principal direction 1 ({geometry.explained[0]:.1%} of the variance)")
-    ax.set_ylabel(f"principal direction 2 ({geometry.explained[1]:.1%})")
-    ax.legend(loc="best", fontsize=8, frameon=True, framealpha=0.85)
-    title = "The rows seen along their two main directions"
-    ax.set_title(title)
+    if 0 < len(found) <= _MAX_LABELS:
+        _label_points(ax, points[found, 0], points[found, 1], found, colour="#222222")
     caption = ("A 2-D shadow of the rows around their mean: mean-initialised rows sit at the origin, deep inside "
                "the cloud; a row can look inside here and still win in the full space, so the certificates decide.")
-    return Plot("projection", title, caption, to_svg(figure, "projection", title))
+    explained = data.geometry.explained
+    return _finished(figure, ax, "projection", "The rows seen along their two main directions", caption,
+                     xlabel=f"principal direction 1 ({explained[0]:.1%} of the variance)",
+                     ylabel=f"principal direction 2 ({explained[1]:.1%})",
+                     legend=dict(loc="best", fontsize=8, frameon=True, framealpha=0.85))
 
 
-def ceiling_histogram(result: GateResult, upper: np.ndarray) -> Plot:
-    report = result.report
+def ceiling_histogram(doc: dict, data: PlotData) -> Plot:
+    upper, ceiling = data.ceilings, doc["ceiling"]
     has_ceiling = np.isfinite(upper)
     shown = upper[has_ceiling]
     figure = _figure()
@@ -282,36 +239,26 @@ def ceiling_histogram(result: GateResult, upper: np.ndarray) -> Plot:
         ax.set_xscale("log")
     stacks, colours, labels = [], [], []
     for verdict in ("argmaxable", "unargmaxable", "tied", "inconclusive"):
-        values = upper[report.ids(verdict)]
+        values = upper[data.verdict == verdict]
         values = values[np.isfinite(values)]
         if len(values):
-            below = int((values < result.ceiling).sum())
+            below = int((values < ceiling).sum())
             stacks.append(values)
             colours.append(VERDICT_COLOURS[verdict])
-            labels.append(f"{verdict} ({len(values)}, {below} below {result.ceiling:g})")
+            labels.append(f"{verdict} ({len(values)}, {below} below {ceiling:g})")
     ax.hist(stacks, bins=bins, stacked=True, color=colours, label=labels)
-    ax.axvline(result.ceiling, color=VERDICT_COLOURS["low-ceiling"], linestyle="--", linewidth=1.5,
-               label=f"--ceiling {result.ceiling:g}")
-    ax.set_xlabel("largest reachable softmax probability" + (", log scale" if log else ""))
-    ax.set_ylabel("tokens")
-    ax.legend(loc="upper left", fontsize=8, frameon=False)
-    title = "Probability ceilings"
-    ax.set_title(title)
+    ax.axvline(ceiling, color=VERDICT_COLOURS["low-ceiling"], linestyle="--", linewidth=1.5,
+               label=f"--ceiling {ceiling:g}")
     caption = ("Each bar counts tokens by the largest probability any hidden state in the domain can give them; "
                "argmaxable tokens left of the dashed line can never reach the --ceiling probability.")
-    return Plot("ceilings", title, caption, to_svg(figure, "ceilings", title))
+    return _finished(figure, ax, "ceilings", "Probability ceilings", caption,
+                     xlabel="largest reachable softmax probability" + (", log scale" if log else ""), ylabel="tokens",
+                     legend=dict(loc="upper left", fontsize=8, frameon=False))
 
 
-def draw_plots(result: GateResult) -> list[Plot]:
+def draw_plots(doc: dict, data: PlotData) -> list[Plot]:
     """The report's figures: margins, norm against margin, the projection and, when computed, the ceilings."""
-    report = result.report
-    margins = report.margins()
-    argmaxable = np.zeros(report.n_tokens, dtype=bool)
-    argmaxable[report.ids("argmaxable")] = True
-    geometry = row_geometry(result.head.weight)
-    plots = [margin_histogram(result, margins, argmaxable), norm_scatter(result, margins, argmaxable, geometry),
-             projection_scatter(result, argmaxable, geometry)]
-    _, upper = report.ceilings()
-    if result.ceiling is not None and np.isfinite(upper).any():
-        plots.append(ceiling_histogram(result, upper))
+    plots = [margin_histogram(doc, data), norm_scatter(doc, data), projection_scatter(doc, data)]
+    if doc["ceiling"] is not None and np.isfinite(data.ceilings).any():
+        plots.append(ceiling_histogram(doc, data))
     return plots

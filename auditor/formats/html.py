@@ -19,6 +19,7 @@ from auditor.explain import id_ranges
 from auditor.formats._plots import draw_plots
 from auditor.formats.json_format import document
 from auditor.gate import DEFAULT_FAIL_ON, GateResult
+from auditor.plot_data import plot_data
 
 _ROWS_PER_VERDICT = 2000  # table rows per verdict; the JSON report lists every finding
 
@@ -321,7 +322,8 @@ _SCRIPT = """
 def render(result: GateResult) -> str:
     """The whole report as one HTML5 document. Raises InputError when matplotlib is missing."""
     require_matplotlib()
-    return render_page(document(result), draw_plots(result), reproduce_command(result))
+    doc = document(result)
+    return render_page(doc, draw_plots(doc, plot_data(result)), reproduce_command(result))
 
 
 def render_page(doc: dict, plots: list, command: str) -> str:
