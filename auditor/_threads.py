@@ -1,9 +1,9 @@
 """How many CPU threads torch may use during an audit, and putting that number back afterwards.
 
 Two audits that each take every core of a shared machine slow each other down
-far more than twice (the demo: 4.7 s alone, 24 s each when two ran at once on
-two cores). ``threads=`` / ``--threads N`` caps one audit; without it the
-``OMP_NUM_THREADS`` convention applies, else torch's own default.
+far more than twice (docs/performance.md gives the figures). ``threads=`` /
+``--threads N`` caps one audit; without it the ``OMP_NUM_THREADS`` convention
+applies, else torch's own default.
 """
 
 from __future__ import annotations
