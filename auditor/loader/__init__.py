@@ -1,15 +1,16 @@
-"""The loader: a checkpoint file or model folder in, a Head out, reading only the head's tensors.
+"""The loader: a checkpoint file, model folder or Hub model id in, a Head out, reading only the head's tensors.
 
 Sources: safetensors (single or sharded by model.safetensors.index.json),
 PyTorch state dicts (.bin/.pt/.pth, single or sharded, weights_only), .npy/.npz,
 and GGUF (the auditor[gguf] extra), each recognised by its contents (formats.py),
 whatever its name. A folder may also hold config.json (whether the head is tied,
-the norm's epsilon) and tokenizer.json or vocab.txt (token strings).
+the norm's epsilon; config.py) and tokenizer.json or vocab.txt (token strings).
+A Hub model id is resolved to files in the local cache (hub.py), which are read
+as a folder's are.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -17,8 +18,10 @@ from tqdm import tqdm
 
 from auditor.errors import InputError
 from auditor.head import FinalNorm, Head
-from auditor.loader.formats import DESCRIPTIONS, foreign_format, identify
 from auditor.loader import hub
+from auditor.loader.config import read_config
+from auditor.loader.formats import DESCRIPTIONS, foreign_format, identify
+from auditor.loader.hub_id import is_hub_id, parse_hub_id
 from auditor.loader.naming import choose_head
 from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore, read_index
 from auditor.loader.tokens import read_token_strings
@@ -85,24 +88,9 @@ def _refuse_foreign_folder(folder: Path) -> None:
 
 def list_tensors(path: Path) -> list[TensorInfo]:
     """The tensors of a checkpoint with their shapes and dtypes, by name."""
-    if hub.is_hub_id(path):
+    if is_hub_id(path):
         return hub.list_tensors(str(path))
     return sorted(open_store(Path(path)).tensors().values(), key=lambda info: info.name)
-
-
-def _read_config(folder: Path) -> dict:
-    config = folder / "config.json"
-    if not config.is_file():
-        return {}
-    try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    # Multimodal configs keep the language model's settings in a sub-config.
-    text = data.get("text_config")
-    return {**text, **{k: v for k, v in data.items() if k == "tie_word_embeddings"}} if isinstance(text, dict) else data
 
 
 def _norm_kind(config: dict, store, has_bias: bool) -> tuple[str, float]:
@@ -139,15 +127,25 @@ def load_head(path, weight: str | None = None, bias: str | None = None, progress
     or ambiguous head.
 
     ``path`` may also be a model on the Hugging Face Hub, ``org/name[@revision]`` (loader/hub.py): only the
-    files the head needs are fetched, the final norm's too when ``need_norm``. ``store`` is a store already
-    opened on ``path`` (the Hub's fetched shards).
+    files the head needs are fetched, the final norm's too when ``need_norm``; the head's ``path`` is then
+    the id pinned to the commit read. ``store`` is a store already opened on ``path``.
     """
-    if store is None and hub.is_hub_id(path):
-        return hub.load_head(str(path), weight, bias, progress, need_norm)
-    path = Path(path)
+    if store is None and is_hub_id(path):
+        repo_id, revision = parse_hub_id(path)
+        model = hub.resolve(repo_id, revision, weight=weight, bias=bias, need_norm=need_norm, progress=progress)
+        head = _read_head(model.checkpoint, weight, bias, progress, model.store)
+        head.path = Path(model.label)
+        if model.note:
+            head.notes.append(model.note)
+        return head
+    return _read_head(Path(path), weight, bias, progress, store)
+
+
+def _read_head(path: Path, weight: str | None, bias: str | None, progress: bool, store) -> Head:
+    """The head in the checkpoint file or model folder ``path``, read from ``store`` (None: opened here)."""
     store = open_store(path) if store is None else store
     folder = path if path.is_dir() else path.parent
-    config = _read_config(folder)
+    config = read_config(folder)
     names = choose_head(store.tensors(), weight, bias, config.get("tie_word_embeddings"), str(path))
     matrices = [name for name, _ in names.factors] if names.factors else [names.weight]
     wanted = list(dict.fromkeys(n for n in (*matrices, names.bias, names.norm_weight, names.norm_bias) if n))

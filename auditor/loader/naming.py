@@ -9,6 +9,7 @@ wrong matrix.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from auditor.errors import InputError
@@ -47,6 +48,38 @@ def _matches(name: str, exact: tuple[str, ...], suffix: tuple[str, ...]) -> bool
     return name in exact or any(name == s or name.endswith("." + s) for s in suffix)
 
 
+def _is_known_bias(name: str, known: str) -> bool:
+    return name == known or (known != "bias" and name.endswith("." + known))
+
+
+def is_input_embedding(name: str) -> bool:
+    """Whether ``name`` is a known input embedding's and not also a known output head's."""
+    return _matches(name, EMBEDDING_EXACT, EMBEDDING_SUFFIX) and not _matches(name, HEAD_EXACT, HEAD_SUFFIX)
+
+
+def candidate_names(names: Collection[str], weight: str | None, bias: str | None, need_norm: bool) -> list[str]:
+    """Those of ``names`` that ``choose_head`` may pick, in their order: the names given (``weight``, its
+    factors for ``"A@B"``; ``bias``), or those of known heads and input embeddings; known biases; final
+    norms when ``need_norm``."""
+    if weight is not None:
+        given = {part[:-2] if part not in names and part.endswith(".T") else part for part in weight.split("@")}
+    candidates = []
+    for name in names:
+        if weight is not None:
+            chosen = name in given
+        else:
+            chosen = _matches(name, HEAD_EXACT, HEAD_SUFFIX) or is_input_embedding(name)
+        if bias not in (None, "none"):
+            chosen = chosen or name == bias
+        elif bias is None:
+            chosen = chosen or any(_is_known_bias(name, known) for known in BIAS_NAMES)
+        if need_norm:
+            chosen = chosen or any(name in (f"{p}.weight", f"{p}.bias") for p in NORM_PREFIXES)
+        if chosen:
+            candidates.append(name)
+    return candidates
+
+
 def _describe(infos: list[TensorInfo]) -> str:
     return ", ".join(f"{i.name} {list(i.shape)}" for i in infos)
 
@@ -65,7 +98,7 @@ def choose_head(tensors: dict[str, TensorInfo], weight: str | None, bias: str | 
         if len(tensors[weight].shape) != 2:
             raise InputError(f"{where}: tensor {weight!r} has shape {list(tensors[weight].shape)}, not vocabulary x hidden")
         chosen = tensors[weight]
-        tied = _matches(weight, EMBEDDING_EXACT, EMBEDDING_SUFFIX) and not _matches(weight, HEAD_EXACT, HEAD_SUFFIX)
+        tied = is_input_embedding(weight)
     else:
         heads = [i for i in matrices if _matches(i.name, HEAD_EXACT, HEAD_SUFFIX)]
         embeddings = [i for i in matrices if _matches(i.name, EMBEDDING_EXACT, EMBEDDING_SUFFIX)]
@@ -143,8 +176,7 @@ def _choose_bias(tensors: dict[str, TensorInfo], bias: str | None, rows: int, wh
         return bias
     for known in BIAS_NAMES:
         for name, info in tensors.items():
-            named = name == known or (known != "bias" and name.endswith("." + known))
-            if named and length(info) == rows:
+            if _is_known_bias(name, known) and length(info) == rows:
                 return name
     return None
 
