@@ -46,6 +46,7 @@ found as its seeds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -72,8 +73,7 @@ def bounded_dual(head: EngineHead, ids: np.ndarray, start: np.ndarray, iteration
     """Run pairwise Frank-Wolfe on the dual of ``domain`` (default: the head's, a Ball or a Box) for
     tokens ``ids`` from the rivals ``start``."""
     domain = head.domain if domain is None else domain
-    norm = (_BallNorm if isinstance(domain, Ball) else _BoxNorm)(domain, head.d)
-    assert isinstance(domain, (Ball, Box))
+    norm = _SMOOTHED_SUPPORTS[type(domain)](domain, head.d)
     outcomes = [DualOutcome() for _ in ids]
     batch = max(1, min(256, _SCORE_BUDGET // max(head.n, 1)))
     for s in range(0, len(ids), batch):
@@ -106,11 +106,11 @@ class _BallNorm:
     """r ||x||, smoothed to r sqrt(||x||^2 + mu^2)."""
 
     def __init__(self, domain: Ball, d: int):
-        self.radius = domain.radius
+        self.domain, self.radius = domain, domain.radius
         self.reach = domain.reach(d)  # largest ||z|| of the domain
 
     def value(self, x: torch.Tensor) -> torch.Tensor:
-        return self.radius * safe_norm(x, dim=1)
+        return self.domain.support_rows(x, _ROW_NORMS)
 
     def point(self, x: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
         size = safe_norm(x, dim=1)
@@ -129,11 +129,11 @@ class _BoxNorm:
     """r ||x||_1, smoothed coordinate-wise to r sum_j sqrt(x_j^2 + mu^2)."""
 
     def __init__(self, domain: Box, d: int):
-        self.radius = domain.radius
+        self.domain, self.radius = domain, domain.radius
         self.reach = domain.reach(d)
 
     def value(self, x: torch.Tensor) -> torch.Tensor:
-        return self.radius * x.abs().sum(dim=1)
+        return self.domain.support_rows(x)
 
     def point(self, x: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
         smooth = torch.sqrt(x * x + (mu * mu)[:, None])
@@ -160,6 +160,11 @@ class _BoxNorm:
             low = torch.where(rising, low, g)
         # The ends: a step of the whole limit when the slope is negative throughout.
         return torch.where(high == limit, limit, low)
+
+
+# The smoothing and the line search are the method's own; the support function is the domain's.
+_SMOOTHED_SUPPORTS = {Ball: _BallNorm, Box: _BoxNorm}
+_ROW_NORMS = partial(safe_norm, dim=1)  # Euclidean norms of rows without overflow
 
 
 class _WorkingSet:

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
-from auditor.domain import Ball, Box, Domain
+from auditor.domain import Domain
 from auditor.engine.head import EngineHead
 from auditor.engine.rounding import gamma, proves_positive, safe_norm
 
 _COLUMN_BUDGET = 1 << 23  # float64 entries of one B x n logit block (64 MiB)
+_ROW_NORMS = partial(safe_norm, dim=1)  # Euclidean norms of rows without overflow
 
 
 @dataclass
@@ -33,12 +35,8 @@ class WitnessCheck:
 
 
 def inside_domain(domain: Domain, witnesses: torch.Tensor) -> torch.Tensor:
-    """Row-wise membership of a B x d block of witnesses."""
-    if isinstance(domain, Ball):
-        return safe_norm(witnesses, dim=1) <= domain.radius
-    if isinstance(domain, Box):
-        return witnesses.abs().amax(dim=1) <= domain.radius
-    return torch.ones(witnesses.shape[0], dtype=torch.bool, device=witnesses.device)
+    """Row-wise membership of a B x d block of witnesses (Euclidean norms without overflow)."""
+    return domain.contains_rows(witnesses, _ROW_NORMS)
 
 
 def check_witnesses(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor, exact_bound: bool = False) -> WitnessCheck:
@@ -156,10 +154,7 @@ def exact_dual_at_most_zero(domain, weights, w_k, rows, b_k, b) -> bool:
         top = Fraction(float(b_k))
         values = np.asarray(b.cpu() if hasattr(b, "cpu") else b, dtype=np.float64).ravel()
         gap = sum(a * (top - Fraction(float(v))) for a, v in zip(alpha, values)) / total
-    radius = Fraction(float(domain.radius))
-    if isinstance(domain, Ball):
-        return gap <= 0 and radius * radius * sum(v * v for v in x) <= gap * gap
-    return radius * sum(abs(v) for v in x) + gap <= 0
+    return domain.support_exactly_at_most(x, -gap)
 
 
 @dataclass
@@ -226,11 +221,7 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
     domain = head.domain
     if not domain.bounded:
         return ConvexCheck(delta, gap, bool(hull_certificate))
-    if isinstance(domain, Ball):
-        support = domain.radius * delta
-    else:
-        support = domain.radius * (float(np.abs(offset).sum()) * (1 + gamma(head.d)) + math.sqrt(head.d) * error)
-    value = support + gap
+    value = domain.support_bound(offset, error, delta) + gap
     source = head.exact_source
     if (0 < value and not hull_certificate and s <= _EXACT_GAP_ROWS and math.isfinite(value)
             and (source is not None or (head.row_error is None and head.bias_error is None))):
@@ -238,8 +229,7 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
         # so never wins): when the computed value is zero within its rounding bound, settle the sign in
         # rational arithmetic, on the weights as they will be reported and the numbers as given (the
         # normal form's translated rows and bias carry rounding; its powers of two change no sign).
-        size = float(np.linalg.norm(offset)) if isinstance(domain, Ball) else float(np.abs(offset).sum())
-        computed = domain.radius * size + (computed_gap if head.bias is not None else 0.0)
+        computed = domain.support(offset) + (computed_gap if head.bias is not None else 0.0)
         if computed <= value - computed:
             beta = weights / weights.sum()
             if source is not None:

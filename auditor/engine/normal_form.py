@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from auditor.domain import Ball, Box, Domain
+from auditor.domain import Domain
 from auditor.engine.head import median_row
 from auditor.errors import InputError
 
@@ -116,7 +116,7 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
 
     # Order statistics and norms move exactly with a power-of-two scaling, so the exponents do too.
     a = p + _exponent(spread) if spread > 0 else p
-    if isinstance(domain, (Ball, Box)):
+    if domain.bounded:
         c = a - math.frexp(domain.radius)[1]  # the radius, times 2^(c - a), lands in [1/2, 1)
     elif bias is not None:
         sizes = bias[competitor].abs()
@@ -131,11 +131,7 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
         row_error = row_error * _power(a)
     if bias_error is not None:
         bias_error = bias_error * _power(c)
-    if isinstance(domain, Ball):
-        domain = Ball(math.ldexp(domain.radius, c - a))
-    elif isinstance(domain, Box):
-        domain = Box(math.ldexp(domain.radius, c - a))
-    return NormalForm(weight, bias, domain, row_error, bias_error, a, c, translation)
+    return NormalForm(weight, bias, domain.scaled(c - a), row_error, bias_error, a, c, translation)
 
 
 def _centre_and_spread(weight: torch.Tensor, competitor: torch.Tensor, p: int) -> tuple[torch.Tensor, float]:

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from auditor.domain import Ball
 from auditor.engine.certify import check_witnesses_sharpened, derived_error, inside_domain
 from auditor.engine.head import EngineHead
 from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, ieee_float32_products,
@@ -158,11 +157,7 @@ def _candidate_scales(head: EngineHead, directions: torch.Tensor) -> list[torch.
     domain = head.domain
     ones = torch.ones(directions.shape[0], dtype=torch.float64, device=head.device)
     if domain.bounded:
-        if isinstance(domain, Ball):
-            reach = torch.linalg.vector_norm(directions, dim=1)
-        else:
-            reach = directions.abs().amax(dim=1)
-        largest = torch.where(reach > 0, (1 - 1e-12) * domain.radius / reach, ones)
+        largest = domain.largest_scales(directions)
         if head.bias is None:
             return [largest]  # without a bias the verdict is scale-free
         return [largest * f for f in _BOUNDED_LADDER]
