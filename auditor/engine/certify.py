@@ -122,7 +122,7 @@ def _abs_products(head: EngineHead, abs_witnesses: torch.Tensor) -> torch.Tensor
     return out
 
 
-_EXACT_GAP_ROWS = 64
+EXACT_GAP_ROWS = 64  # largest support whose zero-up-to-rounding gap or dual value is settled exactly
 
 
 def exact_gap(weights, b_k, b) -> float:
@@ -211,7 +211,7 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
         gap = computed + 2 * gamma(s + 3) * float(alpha @ differences.abs()) / total
         if bool(differences.any()):
             gap += head.underflow_floor
-        if computed <= 0 < gap and s <= _EXACT_GAP_ROWS and head.bias_error is None:
+        if computed <= 0 < gap and s <= EXACT_GAP_ROWS and head.bias_error is None:
             gap = exact_gap(weights, head.bias[k], head.bias[index])  # zero up to rounding: settle its sign exactly
         if head.bias_error is not None:
             gap += float(alpha @ head.bias_error[index]) / total + float(head.bias_error[k])
@@ -223,7 +223,7 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
         return ConvexCheck(delta, gap, bool(hull_certificate))
     value = domain.support_bound(offset, error, delta) + gap
     source = head.exact_source
-    if (0 < value and not hull_certificate and s <= _EXACT_GAP_ROWS and math.isfinite(value)
+    if (0 < value and not hull_certificate and s <= EXACT_GAP_ROWS and math.isfinite(value)
             and (source is not None or (head.row_error is None and head.bias_error is None))):
         # The dual value may be exactly 0 (a token that reaches a tie only on the domain's boundary, and
         # so never wins): when the computed value is zero within its rounding bound, settle the sign in

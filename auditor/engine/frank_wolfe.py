@@ -1,4 +1,4 @@
-"""Stage 3: batched pairwise Frank-Wolfe on the min-norm problem (heads without a bias).
+"""The Frank-Wolfe stage without a bias: batched pairwise Frank-Wolfe on the min-norm problem.
 
 For token k it minimises ||x||, x = w_k - p, over points p of the convex hull
 of the other rows; the optimum ||x*|| is the distance from w_k to that hull,
@@ -7,7 +7,9 @@ which is the best margin on the unit ball. The parts, after FrankWolfe.jl:
 - the linear minimisation oracle, ``_rival_scores``: the scores x.w_i of every
   row. Its maximiser is the Frank-Wolfe vertex, and the same scores are the
   logits at z = x, so every iterate is checked as a witness for free;
-- the active set: the convex weights alpha over rows, kept densely per token;
+- the active set: the convex weights alpha over rows, kept densely per token,
+  with its three operations (``running_tokens``, ``pairwise_move``,
+  ``active_support``), which the dual's iteration (bounded_dual.py) shares;
 - the pairwise step: move weight from the worst active row (away vertex) to
   the Frank-Wolfe vertex with an exact line search, which converges linearly
   on polytopes where plain Frank-Wolfe does not.
@@ -24,6 +26,7 @@ when the pairwise gap closes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,10 +84,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
     tiny = head.exit_tolerance()
     metric = head.precision
 
-    for _ in range(iterations):
-        live = torch.nonzero(running).flatten()
-        if live.numel() == 0:
-            break
+    for live in running_tokens(running, iterations):
         k = k_all[live]
         xs = x[live]
         zs = xs @ metric
@@ -115,10 +115,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
         step = torch.where(length2 > 0, gap / length2, torch.zeros_like(gap)).clamp(min=0)
         step = torch.minimum(step, available)
         x[live] = xs - step[:, None] * direction
-        weights.scatter_add_(1, fw_vertex[:, None], step[:, None])
-        drop = step == available
-        weights.scatter_add_(1, away_vertex[:, None], -step[:, None])
-        weights[drop, away_vertex[drop]] = 0.0  # an exact zero keeps the active set honest
+        pairwise_move(weights, fw_vertex, away_vertex, step, available)
         alpha[live] = weights
 
         inside = torch.linalg.vector_norm(x[live], dim=1) <= tiny
@@ -130,5 +127,38 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
         if outcome.certified:
             continue
         outcome.margin = float(best_margin[slot])
-        outcome.support = torch.nonzero(alpha[slot] > 0).flatten().cpu().numpy()
+        outcome.support = active_support(alpha[slot]).cpu().numpy()
         outcome.support_weights = alpha[slot, outcome.support].cpu().numpy()
+
+
+# The active set: convex weights per token (rows of a batch), their columns rows of the head or of a
+# working set of rivals. The weights with a positive entry are the rows a certificate rests on.
+
+def running_tokens(running: torch.Tensor, iterations: int) -> Iterator[torch.Tensor]:
+    """The slots of a batch still running, once per iteration, until none is or ``iterations`` have passed.
+
+    ``running`` is read afresh at every iteration: the caller clears the slots that finish.
+    """
+    for _ in range(iterations):
+        live = torch.nonzero(running).flatten()
+        if live.numel() == 0:
+            return
+        yield live
+
+
+def pairwise_move(weights: torch.Tensor, toward: torch.Tensor, away: torch.Tensor, step: torch.Tensor,
+                  available: torch.Tensor) -> None:
+    """Move ``step[j]`` of row j's weight from column ``away[j]`` to column ``toward[j]``, in place.
+
+    ``available`` is the weight the away column held; a column the move empties is set to an
+    exact zero, so that it leaves the active set rather than linger as a rounding residue.
+    """
+    weights.scatter_add_(1, toward[:, None], step[:, None])
+    drop = (step == available) & (step > 0)
+    weights.scatter_add_(1, away[:, None], -step[:, None])
+    weights[drop, away[drop]] = 0.0
+
+
+def active_support(weights: torch.Tensor) -> torch.Tensor:
+    """The columns where one token's weights are positive."""
+    return torch.nonzero(weights > 0).flatten()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from auditor._arrays import row_blocks
 from auditor.domain import Domain
 from auditor.engine.rounding import UNIT_ROUNDOFF_32, gamma, logit_error_factor, safe_norm, underflow_floor
 
@@ -137,10 +138,8 @@ class EngineHead:
 
     def blocks(self):
         """(start, stop, float64 rows) over the head, a few thousand rows at a time."""
-        step = self.n if self.weight.dtype == torch.float64 else _BLOCK_ROWS
-        for s in range(0, self.n, step):
-            e = min(self.n, s + step)
-            yield s, e, self.weight[s:e].to(torch.float64)
+        step = self.n if self.weight.dtype == torch.float64 else _BLOCK_ROWS  # a float64 head is its own copy
+        yield from row_blocks(self.weight, step)
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         """z W^T in float64 (B x n for B x d points z), by blocks of rows."""
@@ -190,9 +189,8 @@ class EngineHead:
         fraction of the spread of the rows, whatever offset they share.
         """
         total = torch.zeros(self.d, dtype=torch.float64, device=self.device)
-        for s in range(0, self.n, _BLOCK_ROWS):
-            rows = self.weight[s:s + _BLOCK_ROWS].to(torch.float64)
-            total += alpha[s:s + _BLOCK_ROWS] @ (rows - w)
+        for s, e, rows in row_blocks(self.weight, _BLOCK_ROWS):
+            total += alpha[s:e] @ (rows - w)
         return total
 
     def biases(self, ids) -> np.ndarray:
@@ -209,23 +207,23 @@ _STRICTER = 1 - 2.0**-20
 def robust_row_norms(weight: torch.Tensor, centre: torch.Tensor | None = None) -> torch.Tensor:
     """float64 Euclidean norms of the rows (of w_i - centre when given) that do not underflow,
     without a rescaled copy of the whole head."""
-    def rows(s, e):
-        block = weight[s:e].to(torch.float64)
-        return block - centre if centre is not None else block
-
     norms = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
-    for s in range(0, weight.shape[0], _BLOCK_ROWS):
-        norms[s:s + _BLOCK_ROWS] = torch.linalg.vector_norm(rows(s, s + _BLOCK_ROWS), dim=1)
+    for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
+        norms[s:e] = torch.linalg.vector_norm(_offsets(rows, centre), dim=1)
     tiny = torch.nonzero(norms < 1e-150).flatten()  # only these can have underflowed
     for i in tiny.tolist():
-        norms[i] = safe_norm(rows(i, i + 1), dim=1)[0]
+        norms[i] = safe_norm(_offsets(weight[i:i + 1].to(torch.float64), centre), dim=1)[0]
     return norms
+
+
+def _offsets(rows: torch.Tensor, centre: torch.Tensor | None) -> torch.Tensor:
+    return rows - centre if centre is not None else rows
 
 
 def median_row(weight: torch.Tensor, competitor: torch.Tensor) -> torch.Tensor:
     """The coordinate-wise lower median of the competitor rows (float64): a centre no far row can
     drag, which moves exactly with the rows when they are all translated or scaled."""
-    columns = weight[competitor].T.contiguous()  # selection along contiguous memory: about 1.6x faster
+    columns = weight[competitor].T.contiguous()  # each column's selection then reads contiguous memory
     return torch.kthvalue(columns, (columns.shape[1] + 1) // 2, dim=1).values.to(torch.float64)
 
 
@@ -259,8 +257,8 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
         row_mask[~competitor] = -torch.inf
     row_norm = robust_row_norms(weight)
     centre = torch.zeros(weight.shape[1], dtype=torch.float64, device=device)
-    for s in range(0, weight.shape[0], _BLOCK_ROWS):
-        centre += weight[s:s + _BLOCK_ROWS][competitor[s:s + _BLOCK_ROWS]].to(torch.float64).sum(dim=0)
+    for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
+        centre += rows[competitor[s:e]].sum(dim=0)
     centre /= int(competitor.sum())
     median = median_row(weight, competitor)
     distance = robust_row_norms(weight, median)
@@ -269,25 +267,14 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
                               distance)
     witness_centre = centre.to(weight.dtype).to(torch.float64)  # a float32 head's screen uses it as it is
     centre_logits = torch.empty(weight.shape[0], dtype=torch.float64, device=device)
-    for s in range(0, weight.shape[0], _BLOCK_ROWS):
-        centre_logits[s:s + _BLOCK_ROWS] = weight[s:s + _BLOCK_ROWS].to(torch.float64) @ witness_centre
+    for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
+        centre_logits[s:e] = rows @ witness_centre
     return EngineHead(
-        weight=weight,
-        bias=bias,
-        representative=representative,
-        competitor=competitor,
-        row_mask=row_mask,
-        row_norm=row_norm,
-        max_row_norm=float(row_norm[competitor].max()),
-        spread_norm=spread_norm,
+        weight=weight, bias=bias, representative=representative, competitor=competitor, row_mask=row_mask,
+        row_norm=row_norm, max_row_norm=float(row_norm[competitor].max()), spread_norm=spread_norm,
         typical_spread=_low_quantile(distance[competitor]),  # of the rows that are not at the median itself
         max_spread=float(spread_norm[competitor].max()),
         max_abs_bias=0.0 if bias is None else float(bias[competitor].abs().max()),
-        centre=centre,
-        witness_centre=witness_centre,
-        centre_logits=centre_logits,
-        domain=domain,
-        residual_tol=residual_tol,
-        row_error=row_error,
-        bias_error=bias_error,
+        centre=centre, witness_centre=witness_centre, centre_logits=centre_logits, domain=domain,
+        residual_tol=residual_tol, row_error=row_error, bias_error=bias_error,
     )

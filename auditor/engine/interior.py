@@ -1,4 +1,4 @@
-"""Stage 2: a closed-form certificate for rows deep inside the hull.
+"""The interior stage: a closed-form convex certificate for rows deep inside the hull.
 
 Rows set to (almost) the mean of the others, as vocabulary resizing does,
 sit so deep inside the hull that first-order methods crawl towards them. For

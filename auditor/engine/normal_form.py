@@ -29,10 +29,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from auditor._arrays import row_blocks
 from auditor.domain import Domain
-from auditor.engine.head import median_row
+from auditor.engine.decisions import Decisions
+from auditor.engine.head import EngineHead, median_row
 from auditor.errors import InputError
 
 _UNIT = 2.0**-53
@@ -56,10 +59,25 @@ class NormalForm:
         """z = point_factor * y for a point y of the normal form."""
         return _power(self.weight_exponent - self.logit_exponent)
 
+    def given_length(self, length: float) -> float:
+        """A distance between rows of the normal form, in the units of the rows as given."""
+        return length * _power(-self.weight_exponent)
+
+
+def _halves(e: int) -> tuple[float, float]:
+    """2^(e // 2) and 2^(e - e // 2): their product is 2^e, which alone may not be a float64 (2^1074)."""
+    return math.ldexp(1.0, e // 2), math.ldexp(1.0, e - e // 2)
+
 
 def _power(e: int) -> float:
-    half = e // 2  # two steps: 2**1074 itself is not a float64
-    return math.ldexp(1.0, half) * math.ldexp(1.0, e - half)
+    first, second = _halves(e)
+    return first * second
+
+
+def times_power_of_two(x, e: int):
+    """x 2^e in two exact steps (a number, a numpy array or a tensor)."""
+    first, second = _halves(e)
+    return x * first * second
 
 
 def _exponent(peak: float) -> int:
@@ -70,8 +88,8 @@ def _exponent(peak: float) -> int:
 def _scaled(t: torch.Tensor, e: int, what: str) -> torch.Tensor:
     if e == 0:
         return t
-    factor_a, factor_b = math.ldexp(1.0, e // 2), math.ldexp(1.0, e - e // 2)
-    scaled = t * factor_a * factor_b
+    factor_a, factor_b = _halves(e)
+    scaled = times_power_of_two(t, e)
     if not torch.equal(scaled * (1 / factor_a) * (1 / factor_b), t):
         if t.dtype == torch.float32:  # float32's narrower range: float64 holds it exactly
             return _scaled(t.to(torch.float64), e, what)
@@ -108,8 +126,8 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
     centre, spread = _centre_and_spread(weight, competitor, p)
     if spread > 0 and float(torch.linalg.vector_norm(centre * _power(p))) > _OFFSET_RATIO * spread:
         translated = torch.empty(weight.shape, dtype=torch.float64, device=weight.device)
-        for s in range(0, weight.shape[0], _BLOCK_ROWS):
-            translated[s:s + _BLOCK_ROWS] = weight[s:s + _BLOCK_ROWS].to(torch.float64) - centre
+        for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
+            translated[s:e] = rows - centre
         rounding = torch.linalg.vector_norm(translated * _power(p), dim=1) * (_UNIT / (1 - _UNIT)) * _power(-p)
         row_error = rounding if row_error is None else row_error + rounding
         weight, translation = translated, centre
@@ -140,7 +158,42 @@ def _centre_and_spread(weight: torch.Tensor, competitor: torch.Tensor, p: int) -
     centre = median_row(weight, competitor)
     factor = _power(p)
     distances = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
-    for s in range(0, weight.shape[0], _BLOCK_ROWS):
-        distances[s:s + _BLOCK_ROWS] = torch.linalg.vector_norm(
-            (weight[s:s + _BLOCK_ROWS].to(torch.float64) - centre) * factor, dim=1)
+    for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
+        distances[s:e] = torch.linalg.vector_norm((rows - centre) * factor, dim=1)
     return centre, float(torch.median(distances[competitor]))
+
+
+def to_given_units(out: Decisions, form: NormalForm, head: EngineHead) -> None:
+    """Report margins, residuals, witnesses and the centre in the units of the head as given.
+
+    The normal form's logits are 2^c times the given ones, its rows 2^a times the given
+    (translated) rows, and its point y is the point z = 2^(a - c) y.
+    """
+    a, c = form.weight_exponent, form.logit_exponent
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        out.margin = times_power_of_two(out.margin, -c)
+    for k in list(out.explicit_witness):
+        out.explicit_witness[k] = times_power_of_two(out.explicit_witness[k], a - c)
+    # The formula witness s (w_k - t c) refers to the rows as given: z = 2^(a-c) s 2^a (w_k - t c)
+    # takes the scale 2^(2a-c) s. Where that leaves the normal float range, or the rows were
+    # translated (the formula's rows are then not the given ones), store the very point checked.
+    with np.errstate(over="ignore", under="ignore"):
+        scaled = times_power_of_two(out.witness_scale, 2 * a - c)
+    normal = ~np.isfinite(out.witness_scale) | (np.isfinite(scaled) & (np.abs(scaled) >= np.finfo(np.float64).tiny))
+    if form.translation is not None:
+        normal = ~np.isfinite(out.witness_scale)
+    for k in np.nonzero(~normal)[0].tolist():
+        row = head.rows64([k])[0]
+        direction = row - out.witness_shift[k] * head.witness_centre if out.witness_shift[k] else row
+        out.explicit_witness[k] = times_power_of_two((direction * float(out.witness_scale[k])).cpu().numpy(), a - c)
+        scaled[k] = np.nan
+    out.witness_scale = scaled
+    out.centre = times_power_of_two(out.centre, -a)
+    if form.translation is not None:
+        out.centre = out.centre + form.translation.cpu().numpy()
+    residual_unit = -c if head.domain.bounded else -a
+    for k, (indices, weights, residual, gap) in out.convex.items():
+        out.convex[k] = (indices, weights, times_power_of_two(residual, residual_unit), times_power_of_two(gap, -c))
+    for k, (lower, upper) in out.bounds.items():
+        out.bounds[k] = (times_power_of_two(lower, -c),
+                         times_power_of_two(upper, -c if head.domain.bounded or head.bias is None else -a))

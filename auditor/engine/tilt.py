@@ -1,4 +1,4 @@
-"""Stage 5: maximum-entropy convex combinations, by Newton's method (heads without a bias).
+"""The Newton stage: maximum-entropy convex certificates, by Newton's method (heads without a bias).
 
 A point p lies in the interior of the convex hull of rows R exactly when the
 smooth convex function

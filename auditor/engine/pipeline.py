@@ -1,0 +1,249 @@
+"""The engine's stage order: ``decide`` runs every requested token through the stages, cheapest first.
+
+1. ties      exact duplicate rows become groups; one representative is decided
+2. screen    one Gram pass checks z = s (w_k - t c) for every token
+3. interior  a closed-form convex combination for rows deep inside the hull
+4. frank-wolfe  batched pairwise Frank-Wolfe on the min-norm problem (no bias), or on
+             the domain's dual r ||w_k - sum alpha_i w_i|| + sum alpha_i (b_k - b_i) (balls,
+             the norm domain included, and boxes with the l1 norm, with a bias; the
+             unbounded domain with a bias on a ladder of large balls)
+5. newton    maximum-entropy convex combinations by Newton's method (no bias)
+6. lp        constraint generation with cvxpy for whatever is left
+7. whatever no stage proved is ``inconclusive``, with the bounds found
+8. sparsify  every convex certificate on more than D rows is reduced to at
+             most D (Carathéodory; D = d + 1, d + 2 with a bias) and checked again
+
+Each stage only proposes certificates; certify.py accepts or rejects them in
+float64 (settle.py records what passes), so no stage can turn a guess into a verdict.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from auditor.domain import Ball, Domain
+from auditor.engine.bounded_dual import bounded_dual
+from auditor.engine.decisions import (ARGMAXABLE, INCONCLUSIVE, STAGES, UNDECIDED, Decisions, set_convex,
+                                      set_witness, spread_to_groups, undecided)
+from auditor.engine.frank_wolfe import frank_wolfe
+from auditor.engine.head import EngineHead, build_engine_head, storage_dtype
+from auditor.engine.interior import interior_certificates
+from auditor.engine.lp import lp_decide
+from auditor.engine.normal_form import normal_form, to_given_units
+from auditor.engine.screen import screen
+from auditor.engine.settle import settle_dual, settle_frank_wolfe, sparsify
+from auditor.engine.ties import duplicate_groups
+from auditor.engine.tilt import tilted_certificates
+
+_DUAL_FACTOR = 4
+
+
+@dataclass
+class EngineOptions:
+    frank_wolfe_iterations: int = 100
+    newton_iterations: int = 40
+    lp_rounds: int = 30
+    residual_tol: float = 1e-10
+    defer_flat: bool = False  # bounded domains: leave tokens whose dual value is zero up to the tolerance
+    #                           inconclusive rather than solve an LP (the norm domain settles them in R^d)
+
+
+@dataclass
+class _Leftovers:
+    """What the stages hand on for the tokens they could not decide."""
+
+    seeds: dict[int, list[np.ndarray]]  # rival rows for the LP to start from
+    lower: dict[int, float]  # best margin found (bounded domains: of a witness; unbounded: unit-ball)
+    upper: dict[int, float]  # no point leads by more (the dual value, or the distance to the hull)
+
+
+def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, domain: Domain,
+           options: EngineOptions, progress: bool, row_error: torch.Tensor | None = None,
+           bias_error: torch.Tensor | None = None, representative: np.ndarray | None = None) -> Decisions:
+    """Decide tokens ``ids``. ``row_error`` / ``bias_error`` bound how far derived rows (the norm
+    domain's reduced head) may be from the exact ones; convex certificates allow for them.
+    ``representative`` gives the groups of tied rows when the caller knows them exactly (the
+    norm domain); otherwise rows are tied when they are equal in value."""
+    n = weight.shape[0]
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+    weight = weight.to(storage_dtype(weight))  # no copy for a float32 head
+    if representative is None:
+        representative = duplicate_groups(weight, bias)  # on the rows as given, before any rounding
+    competitor = torch.as_tensor(representative == np.arange(n), device=weight.device)
+    form = normal_form(weight, bias, domain, competitor, row_error, bias_error)
+    head = build_engine_head(form.weight, form.bias, representative, form.domain, options.residual_tol,
+                             form.row_error, form.bias_error)
+    if row_error is None and bias_error is None and (form.row_error is not None or form.bias_error is not None):
+        # exact numbers the normal form rounded (a translation, a shifted bias): kept for the rational
+        # test of check_convex; otherwise the head's own rows are exact and no second copy stays alive
+        head.exact_source = (weight, bias, domain)
+    del weight, bias
+    timings["ties"] = time.perf_counter() - clock
+
+    out = undecided(representative, head.witness_centre.cpu().numpy(),
+                    {"residual_tol": options.residual_tol,
+                     "typical_spread": form.given_length(head.typical_spread),
+                     "logit_error_factor": head.error_factor})
+    todo = np.unique(representative[ids])
+    if head.n_competitors == 1:  # one distinct row: it wins everywhere, against nobody
+        _single_row(out, todo, head.d)
+        todo = todo[:0]
+
+    clock = time.perf_counter()
+    left, threat = _screen(head, out, todo, progress)
+    timings["screen"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    left, threat = _interior(head, out, left, threat)
+    timings["interior"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    leftovers = _Leftovers({int(k): [np.array([t])] for k, t in zip(left, threat)}, {}, {})
+    if len(left) and options.frank_wolfe_iterations > 0:
+        left = _frank_wolfe(head, out, left, threat, options, progress, leftovers)
+    timings["frank_wolfe"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    if head.bias is None and len(left) and options.newton_iterations > 0:
+        left = _newton(head, out, left, options, progress)
+    timings["newton"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    if options.defer_flat and head.domain.bounded:
+        left = _defer_flat(head, out, left, leftovers)
+    _lp(head, out, left, options, progress, leftovers)
+    timings["lp"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    sparsify(head, out)
+    timings["sparsify"] = time.perf_counter() - clock
+
+    to_given_units(out, form, head)
+    spread_to_groups(out, ids)
+    out.timings = timings
+    return out
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled or total == 0,
+                leave=False, unit="tok", dynamic_ncols=True)
+
+
+def _single_row(out: Decisions, todo: np.ndarray, d: int) -> None:
+    out.verdict[todo] = ARGMAXABLE
+    out.margin[todo] = np.inf
+    out.stage[todo] = STAGES.index("single row")
+    for k in todo.tolist():
+        out.explicit_witness[k] = np.zeros(d)
+
+
+def _screen(head: EngineHead, out: Decisions, todo: np.ndarray, progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Record the screen's formula witnesses; returns the tokens left and each one's strongest rival."""
+    with _bar(len(todo), "screening", progress) as bar:
+        screened = screen(head, todo, bar)
+    won = screened.certified
+    out.verdict[todo[won]] = ARGMAXABLE
+    out.stage[todo[won]] = STAGES.index("screen")
+    out.margin[todo[won]] = screened.margin[won]
+    out.runner_up[todo[won]] = screened.runner_up[won]
+    out.witness_shift[todo[won]] = screened.shift[won]
+    out.witness_scale[todo[won]] = screened.scale[won]
+    return todo[~won], screened.threat[~won]
+
+
+def _interior(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    for k, (indices, weights, residual, gap) in interior_certificates(head, left).items():
+        set_convex(out, k, indices, weights, residual, gap, "interior")
+    keep = out.verdict[left] == UNDECIDED
+    return left[keep], threat[keep]
+
+
+def _frank_wolfe(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray, options: EngineOptions,
+                 progress: bool, leftovers: _Leftovers) -> np.ndarray:
+    """The min-norm problem without a bias, the domain's dual in a bounded domain, and otherwise
+    (unbounded, with a bias) the dual on ever larger balls; returns the tokens left."""
+    seeds, lower, upper = leftovers.seeds, leftovers.lower, leftovers.upper
+    if head.bias is None:
+        with _bar(len(left), "frank-wolfe", progress) as bar:
+            outcomes = frank_wolfe(head, left, threat, options.frank_wolfe_iterations, bar)
+        settle_frank_wolfe(head, out, left, outcomes, seeds, lower, upper)
+        return left[out.verdict[left] == UNDECIDED]
+    # Most dual iterations score only a working set of rivals (bounded_dual.py), a fraction of
+    # an unbounded iteration's cost: it gets four times as many.
+    iterations = _DUAL_FACTOR * options.frank_wolfe_iterations
+    if head.domain.bounded:
+        with _bar(len(left), "frank-wolfe (dual)", progress) as bar:
+            outcomes = bounded_dual(head, left, threat, iterations, bar)
+        settle_dual(head, out, left, outcomes, seeds, lower, upper)
+        return left[out.verdict[left] == UNDECIDED]
+    for radius in _homogenising_radii(head):
+        if not len(left):
+            break
+        with _bar(len(left), f"frank-wolfe (ball {radius:.3g})", progress) as bar:
+            outcomes = bounded_dual(head, left, threat, iterations, bar, domain=Ball(radius))
+        settle_dual(head, out, left, outcomes, seeds, {}, {})  # bounds in a ball bound no margin in R^d
+        keep = out.verdict[left] == UNDECIDED
+        left, threat = left[keep], threat[keep]
+    return left
+
+
+def _homogenising_radii(head: EngineHead) -> list[float]:
+    """Balls for the unbounded domain with a bias: from the radius at which the rows' typical
+    spread makes logit differences of the bias's size, up by 64 twice (witnesses found in a ball
+    hold in R^d; the last ball's weights are nearly the exact x = 0 certificate)."""
+    base = max(head.max_abs_bias, 1e-3 * head.typical_spread) / max(head.typical_spread, 1e-300)
+    return [4 * base, 256 * base, 16384 * base]
+
+
+def _newton(head: EngineHead, out: Decisions, left: np.ndarray, options: EngineOptions, progress: bool) -> np.ndarray:
+    with _bar(len(left), "newton", progress) as bar:
+        settled = tilted_certificates(head, left, options.newton_iterations, progress=bar)
+    for k, (indices, weights, residual, gap) in settled.items():
+        set_convex(out, k, indices, weights, residual, gap, "newton")
+    return left[out.verdict[left] == UNDECIDED]
+
+
+def _defer_flat(head: EngineHead, out: Decisions, left: np.ndarray, leftovers: _Leftovers) -> np.ndarray:
+    """Leave inconclusive the tokens whose dual value is zero up to the tolerance; returns the rest."""
+    reach = head.domain.reach(head.d)
+    upper, lower = leftovers.upper, leftovers.lower
+    flat = np.array([upper.get(int(k), np.inf) <= head.residual_tolerance(int(k)) * reach for k in left], dtype=bool)
+    for k in left[flat].tolist():
+        out.verdict[k] = INCONCLUSIVE
+        out.bounds[k] = (lower.get(k, -np.inf), upper[k])
+    return left[~flat]
+
+
+def _lp(head: EngineHead, out: Decisions, left: np.ndarray, options: EngineOptions, progress: bool,
+        leftovers: _Leftovers) -> None:
+    """The exact stage for every token left; what it cannot prove is inconclusive, with its bounds."""
+    lower, upper = leftovers.lower, leftovers.upper
+    with _bar(len(left), "exact LP", progress) as bar:
+        for k in left.tolist():
+            result = lp_decide(head, k, np.concatenate(leftovers.seeds[k]), max_rounds=options.lp_rounds)
+            if result.verdict == "argmaxable":
+                set_witness(out, k, result.witness, result.margin, result.runner_up, "lp")
+            elif result.verdict == "unargmaxable":
+                set_convex(out, k, result.indices, result.weights, result.residual, result.bias_gap, "lp")
+            else:
+                out.verdict[k] = INCONCLUSIVE
+                out.bounds[k] = (max(result.margin, lower.get(k, -np.inf)),
+                                 min(result.residual, upper.get(k, np.inf)) if _upper_bounds_margin(head) else np.inf)
+            bar.update(1)
+
+
+def _upper_bounds_margin(head: EngineHead) -> bool:
+    """Whether a convex certificate's residual is an upper bound on the margin.
+
+    It is the dual value in a bounded domain and, without a bias, the distance
+    to the hull (the unit-ball margin); with a bias in the unbounded domain the
+    margin has no finite upper bound to quote.
+    """
+    return head.domain.bounded or head.bias is None

@@ -1,0 +1,123 @@
+"""Settling proposals: Frank-Wolfe and dual outcomes become verdicts after a float64 check, and
+convex certificates are reduced to at most D rows.
+
+Every proposal passes through certify.py (or lp.polish, which ends in it)
+before it is recorded; what fails leaves its rows as seeds for the LP and its
+bounds for an inconclusive answer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from auditor.engine.caratheodory import Pool, from_pool, reduce_support
+from auditor.engine.certify import check_convex, check_witnesses, check_witnesses_sharpened
+from auditor.engine.decisions import STAGES, UNDECIDED, Decisions, set_convex, set_witness
+from auditor.engine.head import EngineHead
+from auditor.engine.lp import polish
+
+_POOLS = 2  # pools kept, newest first
+
+
+def settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:
+    """Accept Frank-Wolfe witnesses in their final form, and its weights where w_k is inside."""
+    won = [j for j, o in enumerate(outcomes) if o.certified]
+    if won:
+        witnesses = np.stack([outcomes[j].witness for j in won])
+        if head.domain.bounded:  # without a bias any positive multiple wins: move it into the domain
+            witnesses = np.stack([w * head.domain.largest_scale(w) for w in witnesses])
+        check = check_witnesses(head, ids[won], torch.as_tensor(witnesses, device=head.device))
+        for row, j in enumerate(won):
+            k = int(ids[j])
+            if check.certified[row]:
+                margin = outcomes[j].margin if not head.domain.bounded else float(check.margin[row])
+                set_witness(out, k, witnesses[row], margin, int(check.runner_up[row]), "frank-wolfe")
+    for j, outcome in enumerate(outcomes):
+        k = int(ids[j])
+        if out.verdict[k] != UNDECIDED:
+            continue
+        if not head.domain.bounded:
+            lower[k] = outcome.margin  # a unit-ball margin, the quoted unit of an unbounded head
+        if outcome.support.size:
+            indices, weights, check = polish(head, k, outcome.support, outcome.support_weights)
+            upper[k] = check.residual
+            if check.accepted:
+                set_convex(out, k, indices, weights, check.residual, check.bias_gap, "frank-wolfe")
+                continue
+            seeds[k].append(outcome.support)
+
+
+def settle_dual(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:
+    """Accept the dual's witnesses after a float64 check, and its weights after lp.polish (which
+    tries them as they are first); record the bounds in a bounded domain."""
+    won = [j for j, o in enumerate(outcomes) if o.certified]
+    if won:
+        witnesses = torch.as_tensor(np.stack([outcomes[j].witness for j in won]), device=head.device)
+        check = check_witnesses_sharpened(head, ids[won], witnesses)
+        for row, j in enumerate(won):
+            if check.certified[row]:
+                set_witness(out, int(ids[j]), outcomes[j].witness, float(check.margin[row]),
+                            int(check.runner_up[row]), "frank-wolfe")
+    for j, outcome in enumerate(outcomes):
+        k = int(ids[j])
+        if out.verdict[k] != UNDECIDED:
+            continue
+        if head.domain.bounded:
+            lower[k], upper[k] = outcome.lower, outcome.upper
+        if outcome.support.size:
+            # A bounded domain's dual value is accepted as it is; the unbounded certificate needs a
+            # residual at the tolerance, which only an exact solve on the support gives.
+            indices, weights = outcome.support, outcome.support_weights
+            if head.domain.bounded:
+                check = check_convex(head, k, indices, weights)
+                flat = min(outcome.upper, check.residual) <= head.residual_tolerance(k) * head.domain.reach(head.d)
+                if not check.accepted and flat:
+                    # a dual value zero up to rounding, as for a row exactly between others with its bias
+                    # exactly between theirs: the exact combination on the support may still be certified
+                    indices, weights, check = polish(head, k, indices, weights)
+            else:
+                indices, weights, check = polish(head, k, indices, weights)
+            if check.accepted:
+                set_convex(out, k, indices, weights, check.residual, check.bias_gap, "frank-wolfe")
+                continue
+            seeds[k].append(outcome.support)
+
+
+def sparsify(head: EngineHead, out: Decisions) -> None:
+    """Replace every convex certificate on more than D rows by one on at most D (caratheodory.py).
+
+    The reduced weights must pass the same float64 check (re-solved on their
+    support by lp.polish when they do not at first); where they still fail, the
+    dense certificate stands. A full reduction leaves a pool of at most 2D rows
+    around the point it reproduced. Later certificates of the interior stage
+    (mean-initialised rows all sit at the centre) move their bulk onto the
+    pool's rows and are reduced by one elimination instead
+    (caratheodory.from_pool).
+    """
+    dim = head.d + (2 if head.bias is not None else 1)
+    pools: list[Pool] = []
+    for k, (indices, weights, _, _) in list(out.convex.items()):
+        if indices.size <= dim:
+            continue
+        found = None
+        near_centre = out.stage[k] == STAGES.index("interior")  # Newton's rows sit near the boundary
+        for pool in pools if near_centre else []:
+            reduced = from_pool(head, pool, k, indices, weights)
+            if reduced is not None and reduced[0].size <= dim:
+                check = check_convex(head, k, *reduced)
+                if check.accepted:
+                    found = (*reduced, check)
+                    break
+        if found is None:
+            support, alpha, pool = reduce_support(head, indices, weights)
+            if near_centre:
+                pools = [pool] + pools[:_POOLS - 1]
+            check = check_convex(head, k, support, alpha)
+            if not check.accepted:
+                support, alpha, check = polish(head, k, support, alpha)
+            if not (check.accepted and support.size <= dim):
+                continue
+            found = support, alpha, check
+        support, alpha, check = found
+        set_convex(out, k, support, alpha, check.residual, check.bias_gap, STAGES[int(out.stage[k])])
