@@ -33,6 +33,9 @@ _STEERING_GAP = 0.5  # of the gap: the steering's estimates are not certified, s
 
 @dataclass
 class Ceilings:
+    """Every requested token's certified bounds on its ceiling, the points of the lower ones, and the
+    witnesses of argmaxability proved on the way."""
+
     lower: np.ndarray  # p_k at the best point found (a probability the token does reach)
     upper: np.ndarray  # a bound no point of the domain exceeds
     point: np.ndarray  # B x d: the points attaining ``lower``
