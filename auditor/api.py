@@ -148,7 +148,7 @@ def _not_won(ids: np.ndarray, found, representative: np.ndarray) -> np.ndarray:
 
     A token whose certified point makes its logit the strict maximum is argmaxable with that
     point as its witness (the check is the screen's, from the same float32 rounding bounds, see
-    ceiling._Float32Certifier). Only tokens without a copy are taken: a tied token never wins."""
+    ceiling.bounds.Float32Certifier). Only tokens without a copy are taken: a tied token never wins."""
     alone = (representative == np.arange(representative.size)) & (np.bincount(representative)[representative] == 1)
     won = (found.margin > 0) & alone[ids]
     return ids[~won]
