@@ -40,7 +40,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return chosen
 
 
-def _as_tensor(array, what: str) -> torch.Tensor:
+def as_tensor(array, what: str) -> torch.Tensor:
     if isinstance(array, torch.Tensor):
         tensor = array.detach()
         if tensor.dtype not in _FLOAT_DTYPES:
@@ -61,7 +61,7 @@ def _as_tensor(array, what: str) -> torch.Tensor:
     raise InputError(f"{what} must be a numpy array or a torch tensor, got {type(array).__name__}")
 
 
-def _first_bad_rows(finite_rows: torch.Tensor, limit: int = 5) -> str:
+def first_bad_rows(finite_rows: torch.Tensor, limit: int = 5) -> str:
     bad = torch.nonzero(~finite_rows).flatten()[:limit].tolist()
     more = int((~finite_rows).sum()) - len(bad)
     listed = ", ".join(str(i) for i in bad)
@@ -74,7 +74,7 @@ def prepare_inputs(weight, bias, device: torch.device) -> tuple[torch.Tensor, to
     Returns the source dtype's name as the third value. Raises InputError for
     wrong shapes, dtypes, empty heads and NaN or Inf entries (naming rows).
     """
-    w = _as_tensor(weight, "the weight")
+    w = as_tensor(weight, "the weight")
     if w.ndim != 2:
         raise InputError(f"the weight must be two-dimensional (vocabulary x hidden), got shape {tuple(w.shape)}")
     n, d = w.shape
@@ -84,23 +84,23 @@ def prepare_inputs(weight, bias, device: torch.device) -> tuple[torch.Tensor, to
     w = w.to(device=device)  # no copy when it is already there; the engine picks its own precision
     finite = torch.cat([torch.isfinite(w[s:s + 8192]).all(dim=1) for s in range(0, n, 8192)])
     if not bool(finite.all()):
-        raise InputError(f"the weight has NaN or Inf entries in rows {_first_bad_rows(finite)}")
+        raise InputError(f"the weight has NaN or Inf entries in rows {first_bad_rows(finite)}")
 
     b64 = None
     if bias is not None:
-        b = _as_tensor(bias, "the bias")
+        b = as_tensor(bias, "the bias")
         if b.ndim != 1 or b.shape[0] != n:
             raise InputError(f"the bias must be a vector of length {n} (one per row), got shape {tuple(b.shape)}")
         b64 = b.to(device=device, dtype=torch.float64)
         finite_b = torch.isfinite(b64)
         if not bool(finite_b.all()):
-            raise InputError(f"the bias has NaN or Inf entries at rows {_first_bad_rows(finite_b)}")
+            raise InputError(f"the bias has NaN or Inf entries at rows {first_bad_rows(finite_b)}")
     return w, b64, source_dtype
 
 
 def prepare_vector(vector, length: int, what: str, device: torch.device) -> torch.Tensor:
     """A float vector of the given length as float64 on ``device``; raises InputError otherwise."""
-    v = _as_tensor(vector, what)
+    v = as_tensor(vector, what)
     if v.ndim != 1 or v.shape[0] != length:
         raise InputError(f"{what} must be a vector of length {length}, got shape {tuple(v.shape)}")
     v64 = v.to(device=device, dtype=torch.float64)

@@ -139,7 +139,7 @@ class Ranks:
         """Meeting 1, on the way to deciding: returns rank 0's ``plan``; raises Agreed on every rank when
         any rank failed before it, or when a rank's ``identity`` (a digest of the head it loaded and of its
         settings) is not rank 0's: ranks on nodes that hold different files must not merge their halves."""
-        payloads = self._ready((_OK, (plan, identity)))
+        payloads = self.meet_ready((_OK, (plan, identity)))
         for rank, (_, theirs) in enumerate(payloads):
             if theirs != payloads[0][1]:
                 raise Agreed(EXIT_ERROR, f"rank {rank}: it loaded another head (or the same from another path), or read other settings, than "
@@ -149,7 +149,7 @@ class Ranks:
     def collect(self, parts):
         """Meeting 2, the work done: rank 0 gets every rank's ``parts`` as a list (others get None). Rank 0
         raises RanksFailed when a rank failed."""
-        statuses = self._collect((_OK, parts))
+        statuses = self.meet_collect((_OK, parts))
         if statuses is None:
             return None
         code, message = _outcome(statuses)
@@ -167,7 +167,7 @@ class Ranks:
             dist.broadcast_object_list(box, src=0, group=self._group)
         return int(box[0])
 
-    def _ready(self, status):
+    def meet_ready(self, status):
         import torch.distributed as dist
 
         self.met = 1
@@ -178,7 +178,7 @@ class Ranks:
             return [payload for _, payload in statuses]
         raise Agreed(*_outcome(statuses))
 
-    def _collect(self, status):
+    def meet_collect(self, status):
         import torch.distributed as dist
 
         self.met = 2
@@ -266,9 +266,9 @@ def _conclude(prog: str, run, args, ranks: Ranks) -> int:
                 pass
     try:
         if ranks.met == 0:  # this rank ended before meeting 1: tell the others there
-            ranks._ready(status)
+            ranks.meet_ready(status)
         if ranks.met == 1:  # it failed while deciding: send the error in place of its parts
-            statuses = ranks._collect(status)
+            statuses = ranks.meet_collect(status)
             if statuses is not None:
                 code, failure = _outcome(statuses)
         if ranks.is_root and failure is not None:

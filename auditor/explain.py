@@ -22,9 +22,10 @@ docs/method.md states the tests and their thresholds.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from auditor._arrays import row_blocks
+from auditor._input import as_tensor
 from auditor.findings import Finding
 from auditor.head import Head
 from auditor.report import AuditReport
@@ -40,7 +41,7 @@ def explain(head: Head, report: AuditReport, findings: list[Finding]) -> list[st
     """Set ``explanation`` and ``kind`` on every finding; return the summary lines, one per kind."""
     if not findings:
         return []
-    weight = _as_tensor(head.weight)
+    weight = as_tensor(head.weight, "the weight")
     unargmaxable = [f for f in findings if f.verdict == "unargmaxable"]
     distance = _distance_from_mean(weight, [f.id for f in unargmaxable])
     rest = [f for f in unargmaxable if distance[f.id] > MEAN_RADIUS]
@@ -82,27 +83,13 @@ def explain(head: Head, report: AuditReport, findings: list[Finding]) -> list[st
     return _summaries(findings, report)
 
 
-def _as_tensor(weight) -> torch.Tensor:
-    if isinstance(weight, torch.Tensor):
-        return weight.detach()
-    array = np.asarray(weight)
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(np.array(array).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
-
-
-def _blocks(weight: torch.Tensor):
-    for s in range(0, weight.shape[0], _BLOCK):
-        yield s, weight[s:s + _BLOCK].to(torch.float64)
-
-
 def _distance_from_mean(weight: torch.Tensor, ids: list[int]) -> dict[int, float]:
     """||w_k - c|| / sqrt(mean_i ||w_i - c||^2) for the given rows, c the mean of all rows."""
     if not ids:
         return {}
     n = weight.shape[0]
-    centre = sum(rows.sum(dim=0) for _, rows in _blocks(weight)) / n
-    spread = float(sum(((rows - centre) ** 2).sum() for _, rows in _blocks(weight)) / n) ** 0.5
+    centre = sum(rows.sum(dim=0) for _, _, rows in row_blocks(weight, _BLOCK)) / n
+    spread = float(sum(((rows - centre) ** 2).sum() for _, _, rows in row_blocks(weight, _BLOCK)) / n) ** 0.5
     offsets = torch.linalg.vector_norm(weight[ids].to(torch.float64) - centre, dim=1)
     scale = spread if spread > 0 else 1.0
     return {k: float(v) / scale for k, v in zip(ids, offsets.tolist())}
@@ -137,7 +124,7 @@ def _most_parallel(weight: torch.Tensor, ids: list[int]) -> dict[int, tuple[int,
         norms = torch.linalg.vector_norm(rows, dim=1)
         best = torch.full((len(part),), -2.0, dtype=torch.float64)
         best_j = torch.zeros(len(part), dtype=torch.int64)
-        for s, block in _blocks(weight):
+        for s, _, block in row_blocks(weight, _BLOCK):
             cosine = (rows @ block.T) / (norms[:, None] * torch.linalg.vector_norm(block, dim=1)[None, :]).clamp(min=1e-300)
             local = torch.as_tensor(part) - s
             own = (local >= 0) & (local < block.shape[0])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from auditor._input import _as_tensor, _first_bad_rows
+from auditor._input import as_tensor, first_bad_rows
 from auditor.errors import InputError
 
 NOTE = "decided on U in R^r; V has full row rank, so verdicts of U V are those of U; witnesses are points of R^r"
@@ -54,7 +54,7 @@ def split_factors(pair, domain) -> tuple[torch.Tensor, Factorisation]:
     """
     if len(pair) != 2:
         raise InputError(f"a factorised head is a pair (U, V) with W = U @ V, got a tuple of {len(pair)}")
-    u, v = _as_tensor(pair[0], "the factor U"), _as_tensor(pair[1], "the factor V")
+    u, v = as_tensor(pair[0], "the factor U"), as_tensor(pair[1], "the factor V")
     if u.ndim != 2 or v.ndim != 2:
         raise InputError(f"the factors of W = U @ V must be matrices, got shapes {tuple(u.shape)} and {tuple(v.shape)}")
     (n, r), (r_v, d) = u.shape, v.shape
@@ -73,7 +73,7 @@ def split_factors(pair, domain) -> tuple[torch.Tensor, Factorisation]:
     v64 = v.detach().to(device="cpu", dtype=torch.float64)
     finite = torch.isfinite(v64).all(dim=1)
     if not bool(finite.all()):
-        raise InputError(f"the factor V has NaN or Inf entries in rows {_first_bad_rows(finite)}")
+        raise InputError(f"the factor V has NaN or Inf entries in rows {first_bad_rows(finite)}")
     singular = np.linalg.svd(v64.numpy(), compute_uv=False)
     largest, smallest = float(singular[0]), float(singular[-1])
     if not smallest > max(r, d) * np.finfo(np.float64).eps * largest:

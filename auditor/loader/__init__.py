@@ -20,15 +20,13 @@ from auditor.errors import InputError
 from auditor.head import FinalNorm, Head
 from auditor.loader import hub
 from auditor.loader.config import read_config
-from auditor.loader.formats import DESCRIPTIONS, foreign_format, identify
+from auditor.loader.formats import DESCRIPTIONS, WEIGHT_FILES, foreign_format, identify
 from auditor.loader.hub_id import is_hub_id, parse_hub_id
 from auditor.loader.naming import choose_head
 from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore, read_index
 from auditor.loader.tokens import read_token_strings
 
 # The conventional names in a model folder, in order of preference; each is still opened by its contents.
-_FOLDER_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
-                 "pytorch_model.bin")
 _FOLDER_SCAN_LIMIT = 200  # files whose first bytes are read when a folder has no checkpoint: stays quick
 _OPENERS = {
     "safetensors": SafetensorsStore.from_file,
@@ -63,14 +61,14 @@ def open_store(path: Path):
         raise InputError(f"{path}: no such file or folder")
     if path.is_file():
         return _open_file(path)
-    for filename in _FOLDER_FILES:
+    for filename in WEIGHT_FILES:
         if (path / filename).is_file():
             return _open_file(path / filename)
     singles = sorted(p for p in path.iterdir() if p.suffix.lower() in (".safetensors", ".gguf"))
     if len(singles) == 1:
         return _open_file(singles[0])
     _refuse_foreign_folder(path)
-    looked = ", ".join(_FOLDER_FILES)
+    looked = ", ".join(WEIGHT_FILES)
     found = f"; it holds {len(singles)} candidate files" if singles else ""
     raise InputError(f"{path}: no checkpoint found (looked for {looked}, or a single .safetensors or .gguf file){found}")
 

@@ -18,6 +18,9 @@ from auditor.errors import InputError
 from auditor.loader.foreign import Foreign, keras_archive, recognise, torchscript
 
 SNIFF_BYTES = 1024
+# the checkpoint of a model folder (local or on the Hub), in the order they are looked for
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                "pytorch_model.bin")
 # The formats the stores read: safetensors, a torch.save zip, a pickle (a legacy torch.save, read with
 # weights_only), numpy's .npy and .npz, GGUF, and a shard index (JSON with a weight_map).
 DESCRIPTIONS = {"safetensors": "a safetensors file", "torch-zip": "a PyTorch checkpoint (zip)",

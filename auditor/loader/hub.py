@@ -20,6 +20,7 @@ from pathlib import Path
 
 from auditor.errors import InputError
 from auditor.loader.config import read_config
+from auditor.loader.formats import WEIGHT_FILES
 from auditor.loader.hub_errors import first_line, import_hub, network_errors, one_line_errors, progress_bars
 from auditor.loader.hub_files import CachedFiles, HubFiles, NotCached
 from auditor.loader.hub_id import hub_id, is_commit, parse_hub_id
@@ -31,8 +32,6 @@ _SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.")
 
 # The weight files a model folder is read from, in the loader's order of preference (safetensors first).
 SHARD_INDEXES = {"model.safetensors.index.json": SafetensorsStore, "pytorch_model.bin.index.json": TorchStore}
-WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
-                "pytorch_model.bin")
 # Both are fetched when present: which one gives the strings depends on whether tokenizers is installed.
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 
