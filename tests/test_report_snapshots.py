@@ -1,6 +1,7 @@
 """The demo fixture's reports, byte for byte (time fields masked), against files rendered before the refactor
 that split the package into layers: a change in layout must not change a single character a user sees."""
 
+import json
 import re
 import subprocess
 import sys
@@ -27,3 +28,24 @@ def test_demo_report_is_unchanged(form, tmp_path):
     assert done.returncode == 1, done.stderr  # the demo has findings
     expected = (GOLDEN / f"resized_demo.{form}").read_text(encoding="utf-8")
     assert _masked(out.read_text(encoding="utf-8")) == _masked(expected)
+
+
+@pytest.mark.parametrize("form", ["text", "markdown"])
+def test_the_reports_render_from_the_json_document_alone(form):
+    """Every format is a rendering of the JSON document: the committed JSON report gives the committed text and
+    markdown reports, with no head and no audit."""
+    from auditor.formats import DOCUMENT_FORMATS
+
+    doc = json.loads((GOLDEN / "resized_demo.json").read_text(encoding="utf-8"))
+    expected = (GOLDEN / f"resized_demo.{form}").read_text(encoding="utf-8")
+    assert _masked(DOCUMENT_FORMATS[form](doc)) == _masked(expected)
+
+
+def test_the_html_page_renders_from_the_json_document_and_its_plots():
+    from auditor.formats.html import render_page
+
+    doc = json.loads((GOLDEN / "resized_demo.json").read_text(encoding="utf-8"))
+    page = render_page(doc, [], "audit fixtures/resized_demo.safetensors --format html --output report.html")
+    assert page.startswith("<!DOCTYPE html>") and page.endswith("</html>\n")
+    for finding in doc["findings"]:
+        assert f">{finding['id']}<" in page
