@@ -1,4 +1,4 @@
-"""Stage 4: the exact cross-check, a margin program solved by cvxpy with constraint generation.
+"""The LP stage: the exact cross-check, a margin program solved by cvxpy with constraint generation.
 
 For token k and a set A of rival rows it solves
 
