@@ -1,4 +1,4 @@
-"""The screen stage:  one batched Gram product over the vocabulary.
+"""The screen stage: one batched Gram product over the vocabulary.
 
 For every token k it tries the candidate witnesses z = s (w_k - t c), t in
 {0, 1}, where c is the centre (mean) of the rows: the row itself, and the row
