@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from auditor._arrays import as_float64
 from auditor._input import check_options, prepare_inputs, prepare_token_ids, resolve_device
 from auditor._threads import applying_threads
 from auditor.domain import Ball, Domain, Norm, parse_domain
@@ -23,12 +24,8 @@ from auditor.report import AuditReport
 
 def _row_reader(weight):
     """k -> float64 copy of row k of the caller's array (exact for every float dtype)."""
-    if isinstance(weight, torch.Tensor):
-        return lambda k: weight[k].detach().to(torch.float64).cpu().numpy()
-    array = np.asarray(weight)
-    if array.dtype.name == "bfloat16":
-        return lambda k: array[k].astype(np.float32).astype(np.float64)
-    return lambda k: array[k].astype(np.float64)
+    rows = weight if isinstance(weight, torch.Tensor) else np.asarray(weight)
+    return lambda k: as_float64(rows[k])
 
 
 @applying_threads

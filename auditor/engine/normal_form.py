@@ -54,11 +54,6 @@ class NormalForm:
     logit_exponent: int  # c
     translation: torch.Tensor | None  # the offset subtracted from every row (units of the rows as given)
 
-    @property
-    def point_factor(self) -> float:
-        """z = point_factor * y for a point y of the normal form."""
-        return _power(self.weight_exponent - self.logit_exponent)
-
     def given_length(self, length: float) -> float:
         """A distance between rows of the normal form, in the units of the rows as given."""
         return length * _power(-self.weight_exponent)
