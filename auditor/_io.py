@@ -68,7 +68,8 @@ def quiet_stdout():
     Standard output carries the report (``--format json`` is piped into other tools), so nothing else may reach
     it; the redirection is of file descriptor 1 itself, which C and C++ libraries write to directly.
     """
-    sys.stdout.flush()
+    if sys.stdout is not None:  # None under pythonw and some services
+        sys.stdout.flush()
     try:
         saved = os.dup(1)
     except OSError:  # no descriptor 1 at all: nothing can reach it
@@ -79,6 +80,7 @@ def quiet_stdout():
             os.dup2(null.fileno(), 1)
         yield
     finally:
-        sys.stdout.flush()
+        if sys.stdout is not None:
+            sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)

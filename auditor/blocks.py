@@ -162,7 +162,6 @@ def audit_in_blocks(job: AuditJob, tokens: list[int] | None, shard: dict | None,
 
 def _binding(job: AuditJob, block_size: int | None):
     """The head's fingerprint and every setting that shapes a block's report (workdir.binding_for)."""
-
     return binding_for(job.head, domain=job.domain, final_norm=job.final_norm, ceiling=job.ceiling,
                        fail_on=job.fail_on, allow=job.allow_path, baseline=job.baseline_path,
                        block_size=block_size or DEFAULT_BLOCK_SIZE, device=resolve_device(job.device).type)

@@ -35,8 +35,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 
-from auditor.errors import AuditorError
-from auditor.errors import EXIT_ERROR
+from auditor.errors import EXIT_ERROR, AuditorError
 
 DEFAULT_TIMEOUT_S = 1800.0
 

@@ -5,8 +5,7 @@ norm for Ball, the largest coordinate for Box. Its support function is
 ``s_D(v) = sup_{z in D} v.z = r ||v||_*`` with the dual norm (l2 for Ball, l1
 for Box), which the dual certificates need; the norm itself ("gauge")
 decides membership and how far a direction can be scaled and stay inside,
-which turns a winning direction into a witness. The solvers call these
-methods instead of asking which domain they hold.
+which turns a winning direction into a witness.
 
 Euclidean norms are computed by the caller's function where one is passed
 (``euclidean``): the checker and the certifier divide the peak out first so

@@ -40,7 +40,7 @@ def _numpy_blocks(weight):
     """(start, float64 numpy block of rows), about 64 MB at a time whatever the hidden size."""
     rows = max(1, _BLOCK_VALUES // max(int(weight.shape[1]), 1))
     for start, _, block in row_blocks(weight, rows):
-        yield start, as_float64(block)
+        yield start, block if isinstance(block, np.ndarray) else as_float64(block)
 
 
 def row_geometry(weight) -> RowGeometry:

@@ -12,7 +12,6 @@ from auditor.certificates import CERTIFICATES_KIND, SCHEMA_VERSION, VERDICTS, To
 from auditor.engine import STAGES, TIED, UNDECIDED, VERDICT_NAMES, Decisions
 
 
-
 def _finite_or_none(value: float | None) -> float | None:
     if value is None or not math.isfinite(value):
         return None

@@ -236,7 +236,11 @@ def _dual_at_most_zero_exactly(domain, alpha, w_k, rows, b_k, b) -> bool:
     x = [Fraction(float(w_k[j])) - sum(c * Fraction(float(v)) for c, v in zip(a, rows[:, j])) / total
          for j in range(rows.shape[1])]
     gap = sum(c * (Fraction(float(b_k)) - Fraction(float(v))) for c, v in zip(a, b)) / total
-    return domain.support_exactly_at_most(x, -gap)
+    # the checker's own formulas, apart from the engine's (domain.py): a shared mistake would pass both
+    r = Fraction(float(domain.radius))
+    if isinstance(domain, Ball):
+        return gap <= 0 and r * r * sum(v * v for v in x) <= gap * gap
+    return r * sum(abs(v) for v in x) + gap <= 0
 
 
 def _convex_failure(domain, W, b, token, group: set, tol: float, spread, exact: bool) -> str | None:
@@ -283,10 +287,14 @@ def _convex_failure(domain, W, b, token, group: set, tol: float, spread, exact: 
         return None
     unit = max(r_k, typical) or 1.0
     if domain.bounded:
-        support = domain.support_bound(offset, slack, residual)
+        if isinstance(domain, Ball):
+            support = domain.radius * residual
+        else:
+            support = domain.radius * (float(np.abs(offset).sum()) * (1 + _gamma(d)) + math.sqrt(d) * slack)
         if support + gap <= 0:
             return None
-        computed = domain.support(offset, _norm) + float(beta @ bias_differences)
+        size = float(_norm(offset)) if isinstance(domain, Ball) else float(np.abs(offset).sum())
+        computed = domain.radius * size + float(beta @ bias_differences)
         if exact and s <= 64 and computed <= (support + gap) - computed and _dual_at_most_zero_exactly(
                 domain, alpha, W[k], W[idx], b[k], b[idx]):
             return None  # zero within rounding, and at most zero in rational arithmetic

@@ -192,7 +192,6 @@ def binding_for(head, *, domain, final_norm, ceiling: float | None, fail_on, all
     block's part of the report (the verdicts, the findings' marks, the token strings shown). ``device``
     is the kind of device ("cpu", "cuda"): the blocks share the centre and tolerances the engine computes
     on the whole head, which one device may round differently from another."""
-
     settings = {
         "version": __version__,
         "path": str(head.path) if head.path else None,

@@ -244,12 +244,12 @@ def test_page_is_one_well_formed_html5_document(demo_page):
 
 
 def test_projection_matches_an_svd_of_the_centred_rows(monkeypatch):
-    from auditor import plot_data as _plots
+    from auditor import plot_data
 
-    monkeypatch.setattr(_plots, "_BLOCK_VALUES", 7 * 16)  # blocks of 7 rows: the sums run over many blocks
+    monkeypatch.setattr(plot_data, "_BLOCK_VALUES", 7 * 16)  # blocks of 7 rows: the sums run over many blocks
     rng = np.random.default_rng(3)
     weight = (rng.standard_normal((500, 16)) * np.linspace(4, 0.5, 16) + 300.0).astype(np.float32)
-    geometry = _plots.row_geometry(weight)
+    geometry = plot_data.row_geometry(weight)
     centred = weight.astype(np.float64) - weight.astype(np.float64).mean(axis=0)
     _, singular, directions = np.linalg.svd(centred, full_matrices=False)
     expected = centred @ directions[:2].T

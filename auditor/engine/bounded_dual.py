@@ -46,7 +46,6 @@ found as its seeds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 import torch
@@ -111,7 +110,7 @@ class _BallNorm:
         self.reach = domain.reach(d)  # largest ||z|| of the domain
 
     def value(self, x: torch.Tensor) -> torch.Tensor:
-        return self.domain.support_rows(x, _ROW_NORMS)
+        return self.domain.support_rows(x, safe_norm)
 
     def point(self, x: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
         size = safe_norm(x, dim=1)
@@ -165,7 +164,6 @@ class _BoxNorm:
 
 # The smoothing and the line search are the method's own; the support function is the domain's.
 _SMOOTHED_SUPPORTS = {Ball: _BallNorm, Box: _BoxNorm}
-_ROW_NORMS = partial(safe_norm, dim=1)  # Euclidean norms of rows without overflow
 
 
 class _WorkingSet:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
@@ -24,7 +23,6 @@ from auditor.engine.head import EngineHead
 from auditor.engine.rounding import gamma, proves_positive, safe_norm
 
 _COLUMN_BUDGET = 1 << 23  # float64 entries of one B x n logit block (64 MiB)
-_ROW_NORMS = partial(safe_norm, dim=1)  # Euclidean norms of rows without overflow
 
 
 @dataclass
@@ -36,7 +34,7 @@ class WitnessCheck:
 
 def inside_domain(domain: Domain, witnesses: torch.Tensor) -> torch.Tensor:
     """Row-wise membership of a B x d block of witnesses (Euclidean norms without overflow)."""
-    return domain.contains_rows(witnesses, _ROW_NORMS)
+    return domain.contains_rows(witnesses, safe_norm)  # the rows' norms without overflow
 
 
 def check_witnesses(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor, exact_bound: bool = False) -> WitnessCheck:

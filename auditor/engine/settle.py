@@ -1,5 +1,7 @@
-"""Settling proposals: Frank-Wolfe and dual outcomes become verdicts after a float64 check, and
-convex certificates are reduced to at most D rows.
+"""Settling proposals: Frank-Wolfe and dual outcomes checked into verdicts; certificates reduced to D rows.
+
+Frank-Wolfe and dual outcomes become verdicts after a float64 check, and
+convex certificates are reduced to at most D rows (sparsify).
 
 Every proposal passes through certify.py (or lp.polish, which ends in it)
 before it is recorded; what fails leaves its rows as seeds for the LP and its

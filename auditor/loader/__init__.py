@@ -26,7 +26,6 @@ from auditor.loader.naming import choose_head
 from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore, read_index
 from auditor.loader.tokens import read_token_strings
 
-# The conventional names in a model folder, in order of preference; each is still opened by its contents.
 _FOLDER_SCAN_LIMIT = 200  # files whose first bytes are read when a folder has no checkpoint: stays quick
 _OPENERS = {
     "safetensors": SafetensorsStore.from_file,

@@ -30,7 +30,7 @@ from auditor.loader.stores import SafetensorsStore, TensorInfo, TorchStore, pars
 # A part of a sharded checkpoint ("model-00001-of-00003.safetensors"), never a model in a single file.
 _SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.")
 
-# The weight files a model folder is read from, in the loader's order of preference (safetensors first).
+# The shard indexes of a sharded checkpoint, and the store that reads each one's shards.
 SHARD_INDEXES = {"model.safetensors.index.json": SafetensorsStore, "pytorch_model.bin.index.json": TorchStore}
 # Both are fetched when present: which one gives the strings depends on whether tokenizers is installed.
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")

@@ -170,7 +170,7 @@ class Float32Certifier:
         # (a float64 difference of float32 numbers: exact but for a far-apart pair's last bit)
         lead = (own - top.to(torch.float64)) * (1 - 2.0**-50)
         margin = lead - self._logit_error(k, size, scale.max_norm, scale.max_bias) - self._common_error(size, shift=False)
-        inside = domain.contains_rows(z, lambda rows: safe_norm(rows, dim=1))
+        inside = domain.contains_rows(z, safe_norm)
         margin = torch.where((margin > 0) & inside, margin, torch.full_like(margin, -torch.inf))
         y = logits.sub_(top[:, None])  # y_i <= 0, the largest 0
         e = torch.exp(y, out=buffers.get("terms32", shape, torch.float32, z.device))  # 0 at k
