@@ -1,7 +1,8 @@
 """The loader: a checkpoint file, model folder or Hub model id in, a Head out, reading only the head's tensors.
 
 Sources: safetensors (single or sharded by model.safetensors.index.json),
-PyTorch state dicts (.bin/.pt/.pth, single or sharded, weights_only), .npy/.npz,
+PyTorch state dicts (.bin/.pt/.pth, single or sharded, weights_only; a training
+checkpoint's state dict found inside its wrappers, nested.py), .npy/.npz,
 and GGUF (the auditor[gguf] extra), each recognised by its contents (formats.py),
 whatever its name. A folder may also hold config.json (whether the head is tied,
 the norm's epsilon; config.py) and tokenizer.json or vocab.txt (token strings).
@@ -118,7 +119,8 @@ def load_head(path, weight: str | None = None, bias: str | None = None, progress
 
     ``weight`` / ``bias`` name the tensors explicitly (``weight="A@B"``: the head
     W = A @ B, kept as its factors ``head.weight`` = A and ``head.factor`` = B;
-    ``.T`` after a name transposes it); otherwise known names are
+    ``.T`` after a name transposes it; in a PyTorch file a name may be the dotted path of keys
+    to a tensor, ``model_state_dict.fc.weight``); otherwise known names are
     tried (see loader/naming.py). Returns a Head. Raises InputError for a
     missing path, an unreadable or unknown file, a refused pickle, or an absent
     or ambiguous head.
@@ -138,11 +140,33 @@ def load_head(path, weight: str | None = None, bias: str | None = None, progress
     return _read_head(Path(path), weight, bias, progress, store)
 
 
+def _dotted_names(store, weight: str | None, bias: str | None, where: str) -> tuple[str | None, str | None]:
+    """``weight`` and ``bias`` as the store lists them, where they are dotted paths into a training
+    checkpoint (``model_state_dict.fc.weight``); names it does not know are left for choose_head to refuse."""
+    if not isinstance(store, TorchStore):
+        return weight, bias
+
+    def listed(name: str, switch: bool) -> str:
+        transposed = name.endswith(".T") and store.resolve(name, where, switch) is None
+        stored = name[:-2] if transposed else name
+        found = store.resolve(stored, where, switch)
+        return name if found is None else found + (".T" if transposed else "")
+
+    # the weight's state dict is the one its bias and final norm are looked for in
+    if weight is not None:
+        parts = weight.split("@") if "@" in weight else [weight]
+        weight = "@".join(listed(part, switch=i == 0) for i, part in enumerate(parts))
+    if bias not in (None, "none"):
+        bias = listed(bias, switch=weight is None)
+    return weight, bias
+
+
 def _read_head(path: Path, weight: str | None, bias: str | None, progress: bool, store) -> Head:
     """The head in the checkpoint file or model folder ``path``, read from ``store`` (None: opened here)."""
     store = open_store(path) if store is None else store
     folder = path if path.is_dir() else path.parent
     config = read_config(folder)
+    weight, bias = _dotted_names(store, weight, bias, str(path))
     names = choose_head(store.tensors(), weight, bias, config.get("tie_word_embeddings"), str(path))
     matrices = [name for name, _ in names.factors] if names.factors else [names.weight]
     wanted = list(dict.fromkeys(n for n in (*matrices, names.bias, names.norm_weight, names.norm_bias) if n))
@@ -159,6 +183,7 @@ def _read_head(path: Path, weight: str | None, bias: str | None, progress: bool,
     head = Head(weight=u, factor=v, bias=_flat_bias(loaded[names.bias]) if names.bias else None,
                 weight_name=names.weight, bias_name=names.bias, tied=names.tied, path=path,
                 source_format=store.format)
+    head.notes += [note for note in (getattr(store, "origin", None), names.bias_note) if note]
     if names.norm_weight:
         kind, eps = _norm_kind(config, store, names.norm_bias is not None)
         head.final_norm = FinalNorm(kind, loaded[names.norm_weight],

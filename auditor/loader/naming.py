@@ -4,7 +4,9 @@ Explicit names win. Otherwise the known names of output heads are tried; when a
 model has none (its head is tied to the input embedding, and the checkpoint
 stores the matrix once) the input embedding is the head. More than one
 candidate is an error that lists them: guessing the head would audit the
-wrong matrix.
+wrong matrix. The bias is the weight's sibling (``fc.bias`` beside ``fc.weight``)
+or a known bias name; two different candidates are an error too, and a bias
+found this way is named in the head's notes.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class HeadNames:
     norm_bias: str | None = None
     # weight "A@B": ((A, transposed), (B, transposed)), the head being the product of the two
     factors: tuple[tuple[str, bool], tuple[str, bool]] | None = None
+    bias_note: str | None = None  # where a detected bias came from, for the head's notes
 
 
 def _matches(name: str, exact: tuple[str, ...], suffix: tuple[str, ...]) -> bool:
@@ -63,6 +66,7 @@ def candidate_names(names: Collection[str], weight: str | None, bias: str | None
     norms when ``need_norm``."""
     if weight is not None:
         given = {part[:-2] if part not in names and part.endswith(".T") else part for part in weight.split("@")}
+        siblings = {sibling_bias(weight)} if "@" not in weight else set()
     candidates = []
     for name in names:
         if weight is not None:
@@ -73,6 +77,7 @@ def candidate_names(names: Collection[str], weight: str | None, bias: str | None
             chosen = chosen or name == bias
         elif bias is None:
             chosen = chosen or any(_is_known_bias(name, known) for known in BIAS_NAMES)
+            chosen = chosen or (weight is not None and name in siblings)
         if need_norm:
             chosen = chosen or any(name in (f"{p}.weight", f"{p}.bias") for p in NORM_PREFIXES)
         if chosen:
@@ -126,9 +131,9 @@ def choose_head(tensors: dict[str, TensorInfo], weight: str | None, bias: str | 
             raise InputError(f"{where}: found no output head or input embedding; choose one with --weight NAME "
                              f"(2-D tensors: {_describe(matrices) or 'none'})")
     rows = chosen.shape[0]
-    bias_name = _choose_bias(tensors, bias, rows, where)
+    bias_name, bias_note = _choose_bias(tensors, bias, rows, where, None if factors else chosen.name)
     norm_weight, norm_bias = _choose_norm(tensors, width if factors else chosen.shape[1])
-    return HeadNames(weight if factors else chosen.name, bias_name, tied, norm_weight, norm_bias, factors)
+    return HeadNames(weight if factors else chosen.name, bias_name, tied, norm_weight, norm_bias, factors, bias_note)
 
 
 def _factor_names(tensors: dict[str, TensorInfo], weight: str, matrices: list[TensorInfo], where: str):
@@ -156,7 +161,23 @@ def _factor_names(tensors: dict[str, TensorInfo], weight: str, matrices: list[Te
     return tuple(factors), (left, right)
 
 
-def _choose_bias(tensors: dict[str, TensorInfo], bias: str | None, rows: int, where: str) -> str | None:
+def sibling_bias(weight: str) -> str | None:
+    """The bias of the layer whose weight is ``weight``: ``<prefix>.bias`` beside ``<prefix>.weight``."""
+    if weight == "weight":
+        return "bias"
+    return weight[:-len("weight")] + "bias" if weight.endswith(".weight") else None
+
+
+def _is_alias(name: str, chosen: list[str]) -> bool:
+    # BERT and RoBERTa tie <head>.decoder.bias to <head>.bias: one parameter stored under two names
+    return name.endswith(".decoder.bias") and name[:-len(".decoder.bias")] + ".bias" in chosen
+
+
+def _choose_bias(tensors: dict[str, TensorInfo], bias: str | None, rows: int, where: str,
+                 weight: str | None) -> tuple[str | None, str | None]:
+    """(the bias's name or None, a note saying where a detected bias came from). The sibling of the
+    weight (``fc.bias`` beside ``fc.weight``) and the known bias names are the candidates; two that are
+    not one parameter under two names are ambiguous, and an InputError."""
     def length(info: TensorInfo) -> int | None:
         # final_logits_bias is stored as 1 x vocabulary
         if len(info.shape) == 1:
@@ -166,19 +187,29 @@ def _choose_bias(tensors: dict[str, TensorInfo], bias: str | None, rows: int, wh
         return None
 
     if bias == "none":
-        return None
+        return None, None
     if bias is not None:
         if bias not in tensors:
             raise InputError(f"{where}: no tensor named {bias!r} for the bias")
         if length(tensors[bias]) != rows:
             raise InputError(f"{where}: bias {bias!r} has shape {list(tensors[bias].shape)}, "
                              f"but the head has {rows} rows")
-        return bias
+        return bias, None
+    sibling = sibling_bias(weight) if weight is not None else None
+    chosen = [sibling] if sibling in tensors and length(tensors[sibling]) == rows else []
     for known in BIAS_NAMES:
         for name, info in tensors.items():
-            if _is_known_bias(name, known) and length(info) == rows:
-                return name
-    return None
+            if _is_known_bias(name, known) and length(info) == rows and name not in chosen:
+                chosen.append(name)
+    chosen = [name for name in chosen if not _is_alias(name, chosen)]
+    if not chosen:
+        return None, None
+    if len(chosen) > 1:
+        candidates = _describe([tensors[name] for name in chosen])
+        raise InputError(f"{where}: more than one tensor could be the head's bias ({candidates}); name it with "
+                         "--bias NAME, or pass --bias none")
+    found = "beside the weight, in the same layer" if chosen[0] == sibling else "by its name"
+    return chosen[0], f"the bias is {chosen[0]}, found {found} (--bias none audits without it)"
 
 
 def _choose_norm(tensors: dict[str, TensorInfo], width: int) -> tuple[str | None, str | None]:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from auditor.errors import InputError
+from auditor.loader.nested import WRAPPERS, StateDict, find_state_dict, holders, locate, state_dict_at
 
 
 @dataclass(frozen=True)
@@ -109,46 +110,109 @@ def read_index(index: Path) -> dict[str, str]:
 
 
 class TorchStore:
-    """PyTorch state dicts (.bin, .pt, .pth), single or sharded by a pytorch_model.bin.index.json."""
+    """PyTorch state dicts (.bin, .pt, .pth), single or sharded by a pytorch_model.bin.index.json.
+
+    A single file may be a training checkpoint: its state dict is found inside the wrappers (nested.py),
+    and ``resolve`` finds a tensor anywhere in it by its dotted path."""
 
     format = "pytorch"
 
     def __init__(self, files: dict[str, Path], loaded: dict[Path, dict] | None = None):
         self._file_of = files  # tensor name -> file
         self._loaded = dict(loaded or {})
+        self._checkpoint = None  # a single file's whole checkpoint, for dotted paths
+        self._source: Path | None = None
+        self._state: StateDict | None = None  # the single file's tensors as named now
 
     @classmethod
     def from_file(cls, path: Path) -> TorchStore:
-        state = _torch_state_dict(path)
-        return cls({name: path for name in state}, {path: state})
+        checkpoint = _torch_checkpoint(path)
+        store = cls({})
+        store._checkpoint, store._source = checkpoint, path
+        state = find_state_dict(checkpoint)
+        if state is not None:
+            store._use(state)
+        return store
 
     @classmethod
     def from_index(cls, index: Path) -> TorchStore:
         weight_map = read_index(index)
         return cls({name: index.parent / shard for name, shard in weight_map.items()})
 
-    def _state(self, path: Path) -> dict:
+    def _use(self, state: StateDict) -> None:
+        self._state = state
+        self._file_of = {name: self._source for name in state.tensors}
+        self._loaded = {self._source: dict(state.tensors)}
+
+    def _shard(self, path: Path) -> dict:
         if path not in self._loaded:  # memory-mapped: parsing a shard does not read its tensors
             self._loaded[path] = _torch_state_dict(path)
         return self._loaded[path]
 
+    @property
+    def origin(self) -> str | None:
+        """Where in a training checkpoint the tensors were read, for the head's notes; None for a state dict."""
+        return self._state.describe() if self._state is not None else None
+
+    def resolve(self, name: str, where_named: str, switch: bool = True) -> str | None:
+        """The name under which the tensor at the dotted path ``name`` of a single file's checkpoint is
+        listed, or None when there is none. A tensor outside the state dict in use brings its own dict in
+        when ``switch`` (its tensors then named by their dotted paths, so that its siblings are found beside
+        it); otherwise it joins the tensors in use under its dotted path."""
+        if self._checkpoint is None:
+            return None
+        if name in self._file_of:
+            return name
+        state = self._state
+        if state is not None and state.prefix and name.removeprefix(state.prefix) in self._file_of:
+            return name.removeprefix(state.prefix)  # a Lightning name as the module's own state dict spells it
+        found = locate(self._checkpoint, name, where_named)
+        if found is None:
+            return None
+        where, key = found
+        if state is not None and where == state.where and not state.named_from_top:
+            inner = key[len(state.prefix):] if state.prefix and key.startswith(state.prefix) else key
+            if inner in state.tensors:
+                return inner
+        if switch or state is None:
+            self._use(state_dict_at(self._checkpoint, where))
+        else:
+            self._file_of[name] = self._source
+            self._loaded[self._source][name] = state_dict_at(self._checkpoint, where).tensors[name]
+        return name
+
     def tensors(self) -> dict[str, TensorInfo]:
+        if self._checkpoint is not None and self._state is None:
+            raise InputError(_no_state_dict(self._source, self._checkpoint))
         infos = {}
         for name, path in self._file_of.items():
-            tensor = self._state(path).get(name)
+            tensor = self._shard(path).get(name)
             if tensor is not None:
                 infos[name] = TensorInfo(name, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""))
         return infos
 
     def get(self, name: str):
-        return self._state(self._file_of[name])[name]
+        return self._shard(self._file_of[name])[name]
 
 
-def _torch_state_dict(path: Path) -> dict:
+def _no_state_dict(path: Path, checkpoint) -> str:
+    if not isinstance(checkpoint, dict):
+        return f"{path}: expected a state dict of tensors, found a {type(checkpoint).__name__}"
+    found = sorted(holders(checkpoint), key=lambda item: -item[1])
+    if found:
+        dicts = ", ".join(f"{'.'.join(where)} ({count} tensors)" for where, count in found[:4])
+        return (f"{path}: no state dict under the keys {', '.join(WRAPPERS)}, but tensors are under {dicts}; "
+                f"name the head with --weight and its dotted path, such as --weight {'.'.join(found[0][0])}.NAME")
+    keys = ", ".join(map(str, list(checkpoint)[:8]))
+    return f"{path}: no tensors in it outside optimizer state (keys: {keys})"
+
+
+def _torch_checkpoint(path: Path):
+    """What torch.load(weights_only=True) gives for ``path``; one-line InputErrors for what it refuses."""
     import pickle
 
     try:
-        obj = _torch_load(path)
+        return _torch_load(path)
     except pickle.UnpicklingError as error:
         # torch's own text advises retrying with weights_only=False, which would run whatever the
         # pickle says: never pass it on.
@@ -157,19 +221,15 @@ def _torch_state_dict(path: Path) -> dict:
                          "and save its tensors as safetensors") from None
     except Exception as error:  # a damaged pickle can fail in any way at all inside torch.load
         raise InputError(f"{path}: not a readable PyTorch checkpoint ({_torch_reason(error)})") from None
-    # Training checkpoints wrap the weights beside optimizer state, epochs and the like.
-    for key in ("state_dict", "model", "module"):
-        inner = obj.get(key) if isinstance(obj, dict) else None
-        if isinstance(inner, dict) and any(isinstance(t, torch.Tensor) for t in inner.values()):
-            obj = inner
-            break
-    if not isinstance(obj, dict):
-        raise InputError(f"{path}: expected a state dict of tensors, found a {type(obj).__name__}")
-    tensors = {name: t for name, t in obj.items() if isinstance(t, torch.Tensor)}
-    if not tensors:
-        keys = ", ".join(map(str, list(obj)[:8]))
-        raise InputError(f"{path}: no tensors at the top level (keys: {keys}); is the state dict nested elsewhere?")
-    return tensors
+
+
+def _torch_state_dict(path: Path) -> dict:
+    """A shard's tensors by name, from inside its training-checkpoint wrappers if it has any."""
+    checkpoint = _torch_checkpoint(path)
+    state = find_state_dict(checkpoint)
+    if state is None:
+        raise InputError(_no_state_dict(path, checkpoint))
+    return state.tensors
 
 
 def _torch_load(path: Path):
