@@ -1,9 +1,13 @@
-"""Findings in plain words: what each certificate shows, and one line per group of findings alike.
+"""Findings in plain words: what each one means for generation, what its certificate shows, what people do next.
 
-The certificates prove the verdicts; this module only says what they amount
-to, in the terms of the usual causes:
+Each explanation says first, in plain words, whether and why the model can
+produce the token, then what the certificate shows about its row (the
+geometry). The certificates prove the verdicts; this module only says what
+they amount to, in the terms of the usual causes (the finding's ``kind``):
 
-- copy       the row is identical to another (``tied``);
+- copy       the row is identical to another (``tied``): greedy decoding, which
+             takes the first maximal logit, emits only the lowest id of the
+             group, and only when the group can win;
 - mean       the row is within noise of the mean of all rows, where
              ``resize_token_embeddings(mean_resizing=True)`` puts new tokens: its
              distance from the mean is at most ``MEAN_RADIUS`` times the
@@ -14,13 +18,20 @@ to, in the terms of the usual causes:
              rows with the largest weights are named;
 - domain     (bounded domains) a combination of rows beats it everywhere in
              the domain, by at least the certificate's dual value;
+- reserved   a padding or reserved token (by its string: ``[PAD]``, ``<pad>``,
+             ``[unused7]``, ``<|reserved_special_token_5|>``, ...) that is
+             never produced, whichever of the causes above keeps it out;
 - undecided  inconclusive, with the bounds found;
-- ceiling    argmaxable, but its probability never reaches --ceiling P.
+- ceiling    argmaxable, but its probability never exceeds --ceiling P.
 
-docs/method.md states the tests and their thresholds.
+Every kind has one next step (``NEXT_STEPS``): what it means for generation and
+what people usually do about it: train these rows, re-initialise them, or
+accept them. docs/method.md states the tests and their thresholds.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -35,52 +46,109 @@ PARALLEL_TOL = 1e-6  # ||w_k - lambda w_j|| <= this * ||w_k||: "a shorter copy o
 _NAMED = 3  # rows named in a hull explanation
 _PARALLEL_SEARCH = 64  # findings searched for a parallel row over the whole head (one product with it each)
 _BLOCK = 4096
+# token strings of padding and reserved tokens: [PAD], <pad>, <|padding|>, [unused7], <unused7>,
+# <|reserved_special_token_5|>, <|PAD_TOKEN|>, madeupword0003
+RESERVED_TOKEN = re.compile(r"[<\[]\|?(pad|padding|unused|reserved)[^<>\[\]]*[>\]]|<?madeupword\d+>?", re.IGNORECASE)
+
+# kind -> what it means for generation; what people usually do about it (one line each)
+NEXT_STEPS = {
+    "mean": "the model can never produce these tokens: their rows are still where mean initialisation put them; "
+            "usually they are trained (fine-tuning on text that uses the tokens) or re-initialised, for example "
+            "from the rows of related tokens",
+    "copy": "greedy decoding emits at most the lowest id of a group of identical rows, and none of them when the "
+            "group cannot win; usually the copies that should be produced are re-initialised and trained, and "
+            "copies kept as aliases are accepted (--allow)",
+    "shorter copy": "the model can never produce these tokens: the longer row scores higher wherever they could "
+                    "lead; usually the rows are trained or re-initialised",
+    "hull": "the model can never produce these tokens, whatever the context: other tokens always score at least "
+            "as high; usually these are rare or unused tokens, accepted (--allow) when they are not meant to be "
+            "generated, else their rows are trained or re-initialised",
+    "domain": "the model can never produce these tokens from hidden states in the domain audited; usually the rows "
+              "are trained or re-initialised, or accepted (--allow) when they are not meant to be generated",
+    "reserved": "padding and reserved tokens are never produced, which is usually what is intended; usually they "
+                "are accepted: list them in an --allow file",
+    "undecided": "not yet known whether the model can produce these tokens; usually they are audited again with a "
+                 "larger budget (auditor.audit(..., tokens=[...], lp_rounds=100)) before anything is changed",
+    "ceiling": "these tokens can be produced, but never with the probability --ceiling asks for; usually their rows "
+               "are trained further, or the tokens accepted (--allow) when a low probability is expected",
+}
+# a tied token's next step, by what greedy decoding does with it (findings.greedy_decoding)
+_TIE_STEPS = {
+    "emits": "nothing to do for this row: greedy decoding emits it; re-initialise its copies if they should be "
+             "produced too",
+    "never": "re-initialise this row and train it if the token should be produced; accept it (--allow) if it is "
+             "an alias",
+    "unknown": "audit it again with a larger budget (lp_rounds); its copies are never produced whatever the answer",
+}
 
 
 def explain(head: Head, report: AuditReport, findings: list[Finding]) -> list[str]:
-    """Set ``explanation`` and ``kind`` on every finding; return the summary lines, one per kind."""
+    """Set ``explanation``, ``kind`` and ``next_step`` on every finding; return the summary lines, one per kind
+    (next_steps(findings) gives what to do about each, in the same order)."""
     if not findings:
         return []
     weight = as_tensor(head.weight, "the weight")
     unargmaxable = [f for f in findings if f.verdict == "unargmaxable"]
-    distance = _distance_from_mean(weight, [f.id for f in unargmaxable])
+    # copies of one row at the mean (resized rows set to the exact mean) are mean-initialised rows too
+    unwinnable = [f.id for f in findings if f.verdict == "tied" and f.group_verdict == "unargmaxable"]
+    distance = _distance_from_mean(weight, [f.id for f in unargmaxable] + unwinnable)
     rest = [f for f in unargmaxable if distance[f.id] > MEAN_RADIUS]
     # The longer copy carries most of a shorter copy's certificate, so its heaviest rows are tried first;
     # a search over the whole head (one product with it per finding) is kept for a few of the others.
     parallel = _parallel_among(weight, {f.id: [c.id for c in f.competitors] for f in rest})
     parallel.update(_most_parallel(weight, [f.id for f in rest if f.id not in parallel][:_PARALLEL_SEARCH]))
-    bounded = report.domain.bounded
     for finding in findings:
-        k = finding.id
-        if finding.verdict == "tied":
-            _explain_tie(head, finding)
-        elif finding.verdict == "inconclusive":
-            finding.kind = "undecided"
-            finding.explanation = "not decided within the budget"
-            if finding.bounds is not None:
-                finding.explanation += (f": its best margin lies between {finding.bounds[0]:.2g} and "
-                                        f"{finding.bounds[1]:.2g}")
-        elif finding.verdict == "low-ceiling":
-            reached, ceiling = finding.probability_bounds
-            finding.kind = "ceiling"
-            finding.explanation = (f"can be the top prediction, but its probability never exceeds {ceiling:.4g} "
-                                   f"{_where(report.domain)}")
-        elif distance[k] <= MEAN_RADIUS:
-            finding.kind = "mean"
-            finding.explanation = (f"at the mean of all rows (mean-initialised): {distance[k]:.1e} of the rows' "
-                                   "typical distance from it")
-        elif k in parallel:
-            j, ratio = parallel[k]
-            finding.kind = "shorter copy"
-            finding.explanation = f"a shorter copy of row {_name(head, j)}: {ratio:.6g} times its length"
-        elif bounded and finding.residual is not None and finding.residual < 0:
-            finding.kind = "domain"
-            finding.explanation = (f"out of reach {_where(report.domain)}: a mix of {_mix(head, finding)} beats it "
-                                   f"everywhere there, by at least {-finding.residual:.2g}")
-        else:
-            finding.kind = "hull"
-            finding.explanation = f"inside the hull of {_mix(head, finding)}"
+        plain, geometry = _explain_one(head, report, finding, distance.get(finding.id), parallel.get(finding.id))
+        finding.next_step = _TIE_STEPS[finding.greedy] if finding.kind == "copy" else NEXT_STEPS[finding.kind]
+        if finding.greedy == "never" and _reserved(finding.token):
+            finding.kind, finding.next_step = "reserved", NEXT_STEPS["reserved"]
+            plain = "a padding or reserved token, never produced, as intended"
+        finding.explanation = f"{plain}; {geometry}" if geometry else plain
     return _summaries(findings, report)
+
+
+def _explain_one(head: Head, report: AuditReport, finding: Finding, distance: float | None,
+                 parallel: tuple[int, float] | None) -> tuple[str, str]:
+    """Set the finding's kind; return (what it means for generation in plain words, what the certificate shows)."""
+    if finding.verdict == "tied":
+        plain, geometry = _explain_tie(head, finding)
+        if distance is not None and distance <= MEAN_RADIUS:
+            finding.kind = "mean"
+            plain = "never produced, nor are its copies: not trained away from where the vocabulary's resizing put them"
+            geometry += f"; at the mean of all rows (mean-initialised): {distance:.1e} of the rows' typical distance"
+        return plain, geometry
+    if finding.verdict == "inconclusive":
+        finding.kind = "undecided"
+        bounds = "" if finding.bounds is None else (f": its best margin lies between {finding.bounds[0]:.2g} "
+                                                    f"and {finding.bounds[1]:.2g}")
+        return "not known whether it can be produced", "not decided within the budget" + bounds
+    if finding.verdict == "low-ceiling":
+        finding.kind = "ceiling"
+        return (f"can be the top prediction, but its probability never exceeds {finding.probability_bounds[1]:.4g} "
+                f"{_where(report.domain)}"), ""
+    if distance <= MEAN_RADIUS:
+        finding.kind = "mean"
+        return ("never produced: not trained away from where the vocabulary's resizing put it",
+                f"at the mean of all rows (mean-initialised): {distance:.1e} of the rows' typical distance from it")
+    if parallel is not None:
+        j, ratio = parallel
+        finding.kind = "shorter copy"
+        return (f"never produced: {_name(head, j)} scores higher wherever it could lead",
+                f"a shorter copy of row {_name(head, j)}: {ratio:.6g} times its length")
+    if report.domain.bounded and finding.residual is not None and finding.residual < 0:
+        finding.kind = "domain"
+        return (f"never produced {_where(report.domain)}",
+                f"out of reach: a mix of {_mix(head, finding)} beats it everywhere there, by at least "
+                f"{-finding.residual:.2g}")
+    finding.kind = "hull"
+    rivals = (_name(head, finding.competitors[0].id) if finding.support == 1 and finding.competitors
+              else f"one of {finding.support} other tokens")
+    return (f"never produced: whatever the context, {rivals} scores at least as high",
+            f"inside the hull of {_mix(head, finding)}")
+
+
+def _reserved(token: str | None) -> bool:
+    return token is not None and RESERVED_TOKEN.fullmatch(token.strip()) is not None
 
 
 def _distance_from_mean(weight: torch.Tensor, ids: list[int]) -> dict[int, float]:
@@ -155,19 +223,33 @@ def _mix(head: Head, finding: Finding) -> str:
     return f"{finding.support} rows, mainly {listed}" if named else f"{finding.support} rows"
 
 
-def _explain_tie(head: Head, finding: Finding) -> None:
-    """Name the row it copies (the lowest id of its group) or, for that row, its copies."""
+def _listed(head: Head, ids: list[int]) -> str:
+    shown = ", ".join(_name(head, j) for j in ids[:_NAMED])
+    return shown + (f" and {len(ids) - _NAMED} more" if len(ids) > _NAMED else "")
+
+
+def _explain_tie(head: Head, finding: Finding) -> tuple[str, str]:
+    """(plain words, geometry) for a tied token: what greedy decoding does with it (it returns the first maximal
+    logit, so only the lowest id of the group, and only when the group can win), then the rows it shares."""
     others = sorted(finding.tied_with or [])
-    earlier = [j for j in others if j < finding.id]
+    lowest = finding.group_lowest
     finding.kind = "copy"
-    if earlier:
-        finding.explanation = f"copy of row {_name(head, earlier[0])}: they always tie"
+    copies = f"cop{'ies' if len(others) > 1 else 'y'} {_listed(head, others)}"
+    if finding.id != lowest:
+        geometry = f"copy of row {_name(head, lowest)}: they always tie"
     else:
-        listed = ", ".join(_name(head, j) for j in others[:_NAMED]) + (f" and {len(others) - _NAMED} more"
-                                                                       if len(others) > _NAMED else "")
-        finding.explanation = f"copied as row{'s' if len(others) > 1 else ''} {listed}: they always tie"
+        geometry = f"copied as row{'s' if len(others) > 1 else ''} {_listed(head, others)}: they always tie"
     if finding.group_verdict == "unargmaxable":
-        finding.explanation += ", and the shared row is inside the hull of the others"
+        plain = "never produced, nor are its copies: the shared row never wins"
+        geometry += ", and the shared row is inside the hull of the others"
+    elif finding.id != lowest:
+        plain = (f"greedy decoding never produces it: it always ties with {_name(head, lowest)}, "
+                 "and argmax returns the lower id")
+    elif finding.greedy == "emits":
+        plain = f"greedy decoding produces it, and never its {copies}: argmax returns the lowest id of a tie"
+    else:
+        plain = f"not known whether greedy decoding can produce it; never its {copies}, which tie with it"
+    return plain, geometry
 
 
 def id_ranges(ids: list[int], limit: int | None = 8, separator: str = ", ", dash: str = "–") -> str:
@@ -186,19 +268,31 @@ def id_ranges(ids: list[int], limit: int | None = 8, separator: str = ", ", dash
 
 
 def _summaries(findings: list[Finding], report: AuditReport) -> list[str]:
-    return summary_lines([{"id": f.id, "kind": f.kind, "tied_with": f.tied_with,
+    return summary_lines([{"id": f.id, "kind": f.kind, "tied_with": f.tied_with, "group_verdict": f.group_verdict,
                            "max_probability": None if f.probability_bounds is None
                            else {"upper": f.probability_bounds[1]}} for f in findings], str(report.domain))
+
+
+def _by_kind(findings: list[dict]) -> dict[str, list[dict]]:
+    """The findings of each kind that has a next step, kinds in the order they first appear."""
+    by_kind: dict[str, list[dict]] = {}
+    for finding in findings:
+        if finding.get("kind") in NEXT_STEPS:
+            by_kind.setdefault(finding["kind"], []).append(finding)
+    return by_kind
+
+
+def next_steps(findings: list[dict]) -> list[str]:
+    """What each summary line's findings mean for generation and what people usually do about them, one line per
+    line of summary_lines(findings, ...), in its order."""
+    return [NEXT_STEPS[kind] for kind in _by_kind(findings)]
 
 
 def summary_lines(findings: list[dict], domain: str) -> list[str]:
     """One line per kind of finding, from the JSON report's findings (so that audit-merge can
     summarise the merged findings as one audit would)."""
-    by_kind: dict[str, list[dict]] = {}
-    for finding in findings:
-        by_kind.setdefault(finding.get("kind"), []).append(finding)
     lines = []
-    for kind, group in by_kind.items():
+    for kind, group in _by_kind(findings).items():
         ids = [f["id"] for f in group]
         count = len(group)
         rows = f"{count} row{'s' if count != 1 else ''}"
@@ -209,8 +303,12 @@ def summary_lines(findings: list[dict], domain: str) -> list[str]:
             groups = {tuple(sorted([f["id"], *(f.get("tied_with") or [])])) for f in group}
             shown = "; ".join(" = ".join(map(str, g)) for g in sorted(groups)[:4])
             more = f" and {len(groups) - 4} more groups" if len(groups) > 4 else ""
+            # greedy decoding returns the first maximal logit: a group's lowest id, and only if the group can win
+            never = sum(f["id"] > min(f.get("tied_with") or [f["id"]]) or f.get("group_verdict") == "unargmaxable"
+                        for f in group)
             lines.append(f"{rows} in {len(groups)} group{'s' if len(groups) != 1 else ''} of identical rows "
-                         f"({shown}{more}): copies tie, so none of them is ever the strict top prediction")
+                         f"({shown}{more}): greedy decoding emits only the lowest id of a group that can win"
+                         + (f", so {never} of them {'is' if never == 1 else 'are'} never produced" if never else ""))
         elif kind == "shorter copy":
             lines.append(f"{rows} {'are shorter copies' if count != 1 else 'is a shorter copy'} of other rows: "
                          f"{id_ranges(ids)}")
@@ -218,6 +316,9 @@ def summary_lines(findings: list[dict], domain: str) -> list[str]:
             lines.append(f"{rows} inside the hull of other rows: {id_ranges(ids)}")
         elif kind == "domain":
             lines.append(f"{rows} out of reach {_where(domain)}: {id_ranges(ids)}")
+        elif kind == "reserved":
+            lines.append(f"{count} padding or reserved token{'s' if count != 1 else ''}, never produced: "
+                         f"{id_ranges(ids)}")
         elif kind == "undecided":
             lines.append(f"{count} token{'s' if count != 1 else ''} not decided within the budget: {id_ranges(ids)}")
         elif kind == "ceiling":

@@ -8,6 +8,11 @@ from auditor.head import Head
 from auditor.report import AuditReport
 
 FINDING_VERDICTS = ("unargmaxable", "tied", "inconclusive", "low-ceiling")
+# what --fail-on names: the verdicts, and "never-emitted", every token greedy decoding can never produce
+GATE_CLASSES = ("unargmaxable", "never-emitted", "tied", "inconclusive", "low-ceiling")
+# fails on every token greedy decoding can never produce and on none it can; "tied" is left out because the
+# lowest id of a tied group that can win is emitted (a tied row greedy decoding never emits is never-emitted)
+DEFAULT_FAIL_ON = frozenset({"unargmaxable", "never-emitted", "inconclusive", "low-ceiling"})
 _COMPETITORS = 5  # rows of a convex certificate named as a finding's competitors
 
 
@@ -38,6 +43,42 @@ class Finding:
     explanation: str = ""  # what the certificate shows, in plain words (auditor/explain.py)
     kind: str | None = None  # the explanation's category: "copy", "mean", "shorter copy", "hull", ...
     baseline: str | None = None  # with --baseline: "new" or "unchanged"
+    next_step: str = ""  # what people usually do about a finding of its kind (auditor/explain.py)
+    # can greedy decoding (the first maximal logit, as torch.argmax) produce it: "emits", "never" or "unknown"
+    greedy: str = "unknown"
+    classes: tuple[str, ...] = ()  # the --fail-on classes it belongs to (gate_classes)
+
+    @property
+    def group_lowest(self) -> int | None:
+        """A tied token's lowest id, which greedy decoding emits whenever the group leads; None if untied."""
+        return None if self.tied_with is None else min(self.id, *self.tied_with)
+
+
+def greedy_decoding(verdict: str, group_verdict: str | None, lowest: bool) -> str:
+    """Whether greedy decoding can produce a finding's token: "emits", "never" or "unknown".
+
+    Greedy decoding returns the first maximal logit, so of a group of identical rows it can emit only
+    the lowest id, and only when the group can win; a low-ceiling token is argmaxable.
+    """
+    if verdict == "tied":
+        if not lowest or group_verdict == "unargmaxable":
+            return "never"
+        return "emits" if group_verdict == "argmaxable" else "unknown"
+    return {"unargmaxable": "never", "low-ceiling": "emits"}.get(verdict, "unknown")
+
+
+def gate_classes(verdict: str, group_verdict: str | None, greedy: str) -> tuple[str, ...]:
+    """The --fail-on classes of a finding: its verdict; "never-emitted" when greedy decoding never produces it;
+    for a tied token, also "unargmaxable" when its group is, and "inconclusive" when it is the lowest id of an
+    inconclusive group (whether it can be emitted is then undecided)."""
+    classes = {verdict}
+    if greedy == "never":
+        classes.add("never-emitted")
+    if verdict == "tied" and group_verdict == "unargmaxable":
+        classes.add("unargmaxable")
+    if verdict == "tied" and greedy == "unknown":
+        classes.add("inconclusive")
+    return tuple(c for c in GATE_CLASSES if c in classes)
 
 
 
@@ -56,6 +97,9 @@ def collect_findings(head: Head, report: AuditReport, ceiling: float | None = No
                               bias_gap=token.bias_gap, tied_with=token.tied_with,
                               group_verdict=token.group_verdict, bounds=token.bounds,
                               probability_bounds=token.probability_bounds, stage=token.stage)
+            lowest = token.tied_with is None or k < min(token.tied_with)
+            finding.greedy = greedy_decoding(verdict, token.group_verdict, lowest)
+            finding.classes = gate_classes(verdict, token.group_verdict, finding.greedy)
             if token.convex_indices is not None:
                 finding.support = len(token.convex_indices)
                 finding.competitors = [Competitor(int(i), head.token(int(i)), float(w)) for i, w in

@@ -9,12 +9,10 @@ from pathlib import Path
 
 from auditor.baseline import Baseline
 from auditor.errors import EXIT_CLEAN, EXIT_FINDINGS, InputError
-from auditor.explain import explain
-from auditor.findings import FINDING_VERDICTS, Finding, collect_findings
+from auditor.explain import explain, next_steps
+from auditor.findings import DEFAULT_FAIL_ON, FINDING_VERDICTS, GATE_CLASSES, Finding, collect_findings
 from auditor.head import Head
 from auditor.report import AuditReport
-
-DEFAULT_FAIL_ON = frozenset(FINDING_VERDICTS)
 
 
 @dataclass
@@ -86,27 +84,33 @@ class GateResult:
     ceiling: float | None = None
     shard: dict | None = None  # {"index", "count", "first", "stop"} when the command ran one shard
     summaries: list[str] = field(default_factory=list)  # one line per group of findings alike (explain.py)
+    next_steps: list[str] = field(default_factory=list)  # what to do about each summary line's findings
     baseline: dict | None = None  # with --baseline: {"path", "fixed": [{"id", "token", "verdict"}]}
     warnings: list[str] = field(default_factory=list)  # e.g. allow-list entries that match no finding
 
     @property
     def failing(self) -> list[Finding]:
-        """Findings that fail the run: verdict in --fail-on, not allowed, and (with a baseline) new."""
-        return [f for f in self.findings if f.verdict in self.fail_on and not f.allowed and f.baseline != "unchanged"]
+        """Findings that fail the run: of a class in --fail-on, not allowed, and (with a baseline) new."""
+        return [f for f in self.findings if fails_on(f, self.fail_on) and not f.allowed and f.baseline != "unchanged"]
 
     @property
     def exit_code(self) -> int:
         return EXIT_FINDINGS if self.failing else EXIT_CLEAN
 
 
+def fails_on(finding: Finding, fail_on) -> bool:
+    """Whether one of the finding's classes (findings.gate_classes; its verdict when it has none) is in ``fail_on``."""
+    return any(name in fail_on for name in finding.classes or (finding.verdict,))
+
+
 def parse_fail_on(text: str) -> frozenset[str]:
-    """``"unargmaxable,tied"`` -> that set; ``"none"`` -> the empty set."""
+    """``"unargmaxable,never-emitted"`` -> that set; ``"none"`` -> the empty set."""
     names = {part.strip() for part in text.split(",") if part.strip()}
     if names == {"none"}:
         return frozenset()
-    unknown = names - set(FINDING_VERDICTS)
+    unknown = names - set(GATE_CLASSES)
     if unknown or not names:
-        raise InputError(f"--fail-on takes verdicts from {', '.join(FINDING_VERDICTS)} or 'none', got {text!r}")
+        raise InputError(f"--fail-on takes classes from {', '.join(GATE_CLASSES)} or 'none', got {text!r}")
     return frozenset(names)
 
 
@@ -119,6 +123,7 @@ def run_gate(head: Head, report: AuditReport, fail_on=DEFAULT_FAIL_ON, allow: Al
             finding.allowed = allow.allows(finding.id, finding.token)
     result = GateResult(head, report, findings, frozenset(fail_on), load_seconds, ceiling)
     result.summaries = explain(head, report, findings)
+    result.next_steps = next_steps([{"kind": f.kind} for f in findings])
     if allow is not None:
         result.warnings += allow.unused(findings, report.n_tokens, set(report.ids("undecided")))
     if baseline is not None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from auditor._io import read_json_report
 from auditor.errors import InputError
-from auditor.explain import summary_lines
+from auditor.explain import next_steps, summary_lines
 
 _SAME = ("schema_version", "tool", "head", "domain", "fail_on", "ceiling")
 _DECIDED = ("argmaxable", "unargmaxable", "tied", "inconclusive")
@@ -118,6 +118,7 @@ def merge_reports(documents: list[dict], names: list[str] | None = None) -> dict
     merged = {key: first[key] for key in first if key not in ("summary", "findings", "timing", "shard", "notes")}
     merged.update(shard=None, summary=summary, findings=findings,
                   summaries=summary_lines(findings, first["domain"]),  # groups that straddle shards, whole
+                  next_steps=next_steps(findings),
                   baseline=_merge_baselines(documents, names),
                   warnings=_merged_warnings((d.get("warnings", []) for d in documents), {f["id"] for f in findings}),
                   notes=first.get("notes", []), timing=timing, merged_from=count)

@@ -9,7 +9,7 @@ import numpy as np
 
 from auditor._version import __version__
 from auditor.certificates import CERTIFICATES_KIND, SCHEMA_VERSION, VERDICTS, TokenVerdict
-from auditor.engine import STAGES, TIED, UNDECIDED, VERDICT_NAMES, Decisions
+from auditor.engine import STAGES, TIED, UNARGMAXABLE, UNDECIDED, VERDICT_NAMES, Decisions
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -68,11 +68,33 @@ class AuditReport:
 
     # -- queries ---------------------------------------------------------------------------------
 
-    def ids(self, verdict: str) -> list[int]:
-        """Sorted ids of the tokens with this verdict."""
+    def ids(self, verdict: str, *, groups: bool = False) -> list[int]:
+        """Sorted ids of the tokens with this verdict.
+
+        With ``groups=True``, also the tied tokens whose group as a whole has this verdict:
+        ``ids("unargmaxable", groups=True)`` is every token that no hidden state makes the top prediction,
+        copies of an unargmaxable row included (``ids("unargmaxable")`` leaves out tied tokens, as before).
+        """
         if verdict not in VERDICTS:
             raise ValueError(f"unknown verdict {verdict!r}; use one of {', '.join(VERDICTS)}")
-        return np.nonzero(self._d.verdict == VERDICT_NAMES.index(verdict))[0].tolist()
+        code = VERDICT_NAMES.index(verdict)
+        chosen = self._d.verdict == code
+        if groups:
+            for k, group in self._d.group_verdict.items():
+                if group == code and self._d.verdict[k] == TIED:
+                    chosen[k] = True
+        return np.nonzero(chosen)[0].tolist()
+
+    def never_emitted(self) -> list[int]:
+        """Sorted ids of the tokens greedy decoding can never produce (it returns the first maximal logit, as
+        ``torch.argmax`` does): the unargmaxable tokens, every member of an unargmaxable tied group, and every
+        tied token but the lowest id of its group. Inconclusive and undecided tokens are not among them."""
+        d = self._d
+        never = d.verdict == UNARGMAXABLE
+        for k, group in d.group_verdict.items():
+            if d.verdict[k] == TIED and (group == UNARGMAXABLE or k != min(self._groups[int(d.representative[k])])):
+                never[k] = True
+        return np.nonzero(never)[0].tolist()
 
     @property
     def counts(self) -> dict[str, int]:

@@ -44,22 +44,77 @@ def test_each_planted_cause_gets_its_kind(gated):
     assert kinds[405] == "hull"
 
 
+def geometry(finding):
+    """The part of an explanation after its plain words: what the certificate shows."""
+    return finding.explanation.split("; ", 1)[1]
+
+
 def test_explanations_name_the_rows_they_rest_on(gated):
     found = by_id(gated)
-    assert found[400].explanation.startswith("at the mean of all rows (mean-initialised)")
-    assert found[403].explanation.startswith("copy of row 7 'tok7'")
-    assert found[7].explanation.startswith("copied as row 403 'tok403'")
-    assert found[404].explanation.startswith("a shorter copy of row 11 'tok11': 0.9 times its length")
+    assert geometry(found[400]).startswith("at the mean of all rows (mean-initialised)")
+    assert geometry(found[403]).startswith("copy of row 7 'tok7'")
+    assert geometry(found[7]).startswith("copied as row 403 'tok403'")
+    assert geometry(found[404]).startswith("a shorter copy of row 11 'tok11': 0.9 times its length")
     hull = found[405]
-    assert hull.explanation.startswith(f"inside the hull of {hull.support} rows, mainly ")
+    assert geometry(hull).startswith(f"inside the hull of {hull.support} rows, mainly ")
     assert f"{hull.competitors[0].id} 'tok{hull.competitors[0].id}'" in hull.explanation
+
+
+def test_explanations_say_first_in_plain_words_what_the_finding_means_for_generation(gated):
+    found = by_id(gated)
+    assert found[400].explanation.startswith("never produced: not trained away from where the vocabulary's "
+                                             "resizing put it; ")
+    assert found[7].explanation.startswith("greedy decoding produces it, and never its copy 403 'tok403': argmax "
+                                           "returns the lowest id of a tie; ")
+    assert found[403].explanation.startswith("greedy decoding never produces it: it always ties with 7 'tok7', "
+                                             "and argmax returns the lower id; ")
+    assert found[404].explanation.startswith("never produced: 11 'tok11' scores higher wherever it could lead; ")
+    hull = found[405]
+    assert hull.explanation.startswith(f"never produced: whatever the context, one of {hull.support} other "
+                                       "tokens scores at least as high; ")
+
+
+def test_every_kind_has_one_next_step_saying_what_people_do(gated):
+    from auditor.explain import NEXT_STEPS
+
+    found = by_id(gated)
+    for k in (400, 404, 405):
+        assert found[k].next_step == NEXT_STEPS[found[k].kind]
+    assert found[7].next_step.startswith("nothing to do for this row: greedy decoding emits it")
+    assert found[403].next_step.startswith("re-initialise this row and train it")
+    assert set(NEXT_STEPS) == {"mean", "copy", "shorter copy", "hull", "domain", "reserved", "undecided", "ceiling"}
+    for kind in ("mean", "copy", "shorter copy", "hull", "reserved"):
+        assert any(word in NEXT_STEPS[kind] for word in ("trained", "re-initialised", "accepted")), kind
+
+
+def test_each_summary_line_has_its_next_step(gated):
+    from auditor.explain import NEXT_STEPS
+
+    kinds = list(dict.fromkeys(f.kind for f in gated.findings))
+    assert len(gated.next_steps) == len(gated.summaries) == len(kinds)
+    assert gated.next_steps == [NEXT_STEPS[kind] for kind in kinds]
+
+
+def test_padding_and_reserved_tokens_are_named_as_such_and_accepting_them_is_the_next_step(rng):
+    W, tokens = planted_head(rng)
+    tokens[400], tokens[405] = "[PAD]", "<|reserved_special_token_5|>"
+    tokens[401] = "[unused7]"
+    result = run_gate(Head(weight=W, tokens=tokens, token_source="given"), auditor.audit(W, progress=False))
+    found = by_id(result)
+    assert {found[k].kind for k in (400, 401, 405)} == {"reserved"}
+    assert found[402].kind == "mean"
+    assert found[405].explanation.startswith("a padding or reserved token, never produced, as intended; inside the "
+                                             "hull of ")
+    assert "accepted" in found[405].next_step and "--allow" in found[405].next_step
+    assert "3 padding or reserved tokens, never produced: 400–401, 405" in result.summaries
 
 
 def test_findings_alike_get_one_summary_line(gated):
     lines = gated.summaries
     assert ("3 rows at the mean of all rows: 400–402, typical of a vocabulary resized with mean initialisation"
             in lines)
-    assert any(line.startswith("2 rows in 1 group of identical rows (7 = 403)") for line in lines)
+    assert ("2 rows in 1 group of identical rows (7 = 403): greedy decoding emits only the lowest id of a group "
+            "that can win, so 1 of them is never produced") in lines
     assert "1 row is a shorter copy of other rows: 404" in lines
 
 
@@ -76,7 +131,7 @@ def test_bounded_domain_findings_say_the_domain_keeps_them_out_of_reach(rng):
     result = run_gate(Head(weight=W, bias=b), report)
     finding = by_id(result)[60]
     assert finding.verdict == "unargmaxable" and finding.kind == "domain"
-    assert finding.explanation.startswith("out of reach in ball:1: a mix of ")
+    assert finding.explanation.startswith("never produced in ball:1; out of reach: a mix of ")
     assert any(line.startswith("1 row out of reach in ball:1: 60") for line in result.summaries)
 
 
@@ -85,3 +140,18 @@ def test_id_ranges_are_compact():
 
     assert id_ranges([5, 3, 4, 9, 11, 12]) == "3–5, 9, 11–12"
     assert id_ranges(list(range(0, 40, 2)), limit=3) == "0, 2, 4 and 17 more"
+
+
+def test_copies_at_the_exact_mean_are_named_mean_initialised_and_none_of_them_is_produced(rng):
+    W, _ = planted_head(rng)
+    W = np.vstack([W[:400], np.tile(W[:400].astype(np.float64).mean(axis=0), (3, 1)).astype(np.float32)])
+    result = run_gate(Head(weight=W), auditor.audit(W, progress=False))
+    found = by_id(result)
+    assert sorted(found) == [400, 401, 402]
+    assert {(f.verdict, f.group_verdict, f.kind, f.greedy) for f in found.values()} == {
+        ("tied", "unargmaxable", "mean", "never")}
+    assert found[401].explanation.startswith("never produced, nor are its copies: not trained away from where the "
+                                             "vocabulary's resizing put them; copy of row 400: they always tie")
+    assert "at the mean of all rows (mean-initialised)" in found[401].explanation
+    assert "3 rows at the mean of all rows: 400–402, typical of a vocabulary resized with mean initialisation" in (
+        result.summaries)

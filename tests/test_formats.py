@@ -11,6 +11,7 @@ import pytest
 
 import auditor
 from auditor.errors import InputError
+from auditor.explain import NEXT_STEPS
 from auditor.formats import DOCUMENT_FORMATS, json_format, markdown, text
 from auditor.formats._common import SHOWN_PER_VERDICT
 from auditor.gate import FINDING_VERDICTS, Finding, GateResult, run_gate
@@ -199,6 +200,29 @@ def test_summaries_follow_the_counts_and_warnings_are_marked():
     assert "> **warning:** allow-list entry 9 matches no finding" in rendered
 
 
+def test_each_summary_is_followed_by_its_next_step():
+    doc = document([finding(4000, "unargmaxable", kind="mean")], summaries=["4 rows at the mean of all rows: 4000"])
+    doc["next_steps"] = [NEXT_STEPS["mean"]]
+    lines = text.render_document(doc).splitlines()
+    at = lines.index("summary  4 rows at the mean of all rows: 4000")
+    assert lines[at + 1].startswith("next     the model can never produce these tokens")
+    end = next(i for i in range(at + 2, len(lines)) if not lines[i].startswith(" " * 9))
+    assert " ".join(line[9:] for line in lines[at + 1:end]) == NEXT_STEPS["mean"]  # wrapped under the summary
+    rendered = markdown.render_document(doc)
+    assert "- 4 rows at the mean of all rows: 4000\n  - *next:* the model can never produce these tokens" in rendered
+
+
+def test_a_finding_fails_when_one_of_its_classes_is_in_fail_on():
+    from auditor.formats._common import is_failing
+
+    doc = document([], fail_on=("unargmaxable", "never-emitted", "inconclusive", "low-ceiling"))
+    emitted = finding(17, "tied", classes=["tied"])
+    never = finding(4004, "tied", tied_with=[17], classes=["never-emitted", "tied"])
+    group = finding(9, "tied", group_verdict="unargmaxable", classes=["unargmaxable", "never-emitted", "tied"])
+    assert [is_failing(f, doc) for f in (emitted, never, group)] == [False, True, True]
+    assert is_failing(finding(4, "tied"), document([], fail_on=("tied",)))  # a document without classes
+
+
 def _shard(index, findings, **fields):
     doc = document(findings, **fields)
     doc["shard"] = {"index": index, "count": 2, "first": (index - 1) * 2500, "stop": index * 2500}
@@ -223,8 +247,9 @@ def test_merge_summarises_groups_that_straddle_shards_and_keeps_the_run_s_warnin
     assert merged["summaries"] == [
         "1 row inside the hull of other rows: 7",
         "3 rows at the mean of all rows: 2498–2500, typical of a vocabulary resized with mean initialisation",
-        "1 row in 1 group of identical rows (3000 = 3001): copies tie, so none of them is ever the strict top "
-        "prediction"]
+        "1 row in 1 group of identical rows (3000 = 3001): greedy decoding emits only the lowest id of a group that "
+        "can win"]
+    assert merged["next_steps"] == [NEXT_STEPS["hull"], NEXT_STEPS["mean"], NEXT_STEPS["copy"]]
     # shard 2 reports token 3000; only shard 1 decided id 12 (shard 2 does not warn about ids it leaves
     # undecided); a token string is stale only when no shard's findings have it
     assert merged["warnings"] == ["allow-list entry 9999 is not a token id", "allow-list entry 12 matches no finding"]
@@ -257,9 +282,10 @@ def test_merge_prints_the_merged_report_as_text(demo_shards):
     rows = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines() if line[:8].strip().isdigit()}
     expected = {"1900", "2631", "4000", "4001", "4002", "4003"}
     assert rows == {**{k: "unargmaxable" for k in expected}, "17": "tied", "4004": "tied"}
-    assert listed_ids(done.stdout) == [1900, 2631, 4000, 4001, 4002, 4003, 17, 4004]
+    # 17 is the lowest id of its group, which can win: greedy decoding emits it, so it passes, after 4004
+    assert listed_ids(done.stdout) == [1900, 2631, 4000, 4001, 4002, 4003, 4004, 17]
     assert "shards   2 merged; the times are their sum" in done.stdout
-    assert done.stdout.splitlines()[-1] == "8 failing findings"
+    assert done.stdout.splitlines()[-1] == "7 failing findings (1 allowed or not in --fail-on)"
 
 
 def test_merge_writes_markdown_to_its_output(demo_shards, tmp_path):

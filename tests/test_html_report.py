@@ -267,3 +267,37 @@ def test_missing_matplotlib_fails_before_the_audit_with_one_line(tmp_path):
     assert done.stderr == ("audit: error: --format html draws its plots with matplotlib: "
                            "pip install 'auditor[plots]'\n")
     assert not page.exists()
+
+
+def small_page() -> str:
+    """The page of a small head with a copied row and a row inside the hull, without its plots."""
+    from auditor import audit
+    from auditor.formats.html import render_page
+    from auditor.formats.json_format import document
+    from auditor.gate import run_gate
+    from auditor.head import Head
+
+    W = np.array([[1, 2], [2, 1], [1, 0], [0, 1], [1, 1], [1, 0]], dtype=np.float32)  # 4 inside, 2 = 5
+    return render_page(document(run_gate(Head(weight=W), audit(W, progress=False))), [], "audit head.npy")
+
+
+def test_page_has_a_glossary_of_residual_margin_dual_bound_and_group_verdict():
+    from html import unescape
+
+    page = small_page()
+    glossary = page[page.index('<section id="glossary">'):]
+    glossary = glossary[:glossary.index("</section>")]
+    terms = re.findall(r"<dt>(.*?)</dt>", glossary)
+    assert {"residual", "margin", "dual bound", "group verdict"} <= set(terms)
+    meaning = dict(zip(terms, (unescape(m) for m in re.findall(r"<dd>(.*?)</dd>", glossary))))
+    assert "lowest id" in meaning["group verdict"] and "never the top prediction" in meaning["residual"]
+
+
+def test_each_summary_on_the_page_carries_its_next_step():
+    from html import unescape
+
+    from auditor.explain import NEXT_STEPS
+
+    page = unescape(small_page())
+    for kind in ("copy", "hull"):
+        assert f'<p class="next">Next: {NEXT_STEPS[kind]}</p>' in page

@@ -25,14 +25,14 @@ from auditor.domain import Norm, parse_domain
 from auditor.errors import EXIT_CLEAN, EXIT_FINDINGS, InputError
 from auditor.formats import DOCUMENT_FORMATS, FORMATS
 from auditor.formats.html import require_matplotlib
-from auditor.gate import AllowList, parse_fail_on, run_gate
+from auditor.gate import DEFAULT_FAIL_ON, GATE_CLASSES, AllowList, parse_fail_on, run_gate
 from auditor.loader import list_tensors, load_head
 
 
 _EPILOG = """\
 exit codes:
   0  no failing finding
-  1  failing findings: a verdict in --fail-on, not allowed (nor unchanged since --baseline)
+  1  failing findings: of a class in --fail-on, not allowed (nor unchanged since --baseline)
   2  usage, load or input error (one line on stderr; --debug shows the traceback)
 
 examples:
@@ -93,9 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{DEFAULT_TIMEOUT_S:g}); more than one block takes")
     parser.add_argument("--format", choices=sorted(FORMATS), default="text", help="report format (default: text)")
     parser.add_argument("--output", type=Path, metavar="FILE", help="write the report to FILE (atomically) instead of stdout")
-    parser.add_argument("--fail-on", default="unargmaxable,tied,inconclusive,low-ceiling", metavar="VERDICTS",
-                        help="verdicts that fail the run (default: unargmaxable,tied,inconclusive,low-ceiling; "
-                             "'none' never fails)")
+    fail_on = ",".join(name for name in GATE_CLASSES if name in DEFAULT_FAIL_ON)
+    parser.add_argument("--fail-on", default=fail_on, metavar="CLASSES",
+                        help="classes of findings that fail the run: unargmaxable (tied tokens of an unargmaxable "
+                             "group included), never-emitted (every token greedy decoding can never produce: "
+                             "unargmaxable ones, and every tied token but its group's lowest id), tied (every "
+                             f"tied token), inconclusive, low-ceiling; 'none' never fails (default: {fail_on}: the "
+                             "lowest id of a tied group that can win passes, as greedy decoding emits it)")
     parser.add_argument("--allow", type=Path, metavar="FILE", help="expected findings: token ids or exact token strings, one per line")
     parser.add_argument("--baseline", type=Path, metavar="REPORT",
                         help="an earlier --format json report of the same vocabulary (the base model, the last "

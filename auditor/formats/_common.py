@@ -59,7 +59,8 @@ def is_failing(finding: dict, doc: dict) -> bool:
     """Whether the gate counts this finding as failing; documents carry the gate's decision."""
     if "failing" in finding:
         return finding["failing"]
-    return (finding["verdict"] in doc["fail_on"] and not finding["allowed"]
+    classes = finding.get("classes") or [finding["verdict"]]  # documents from before the classes were recorded
+    return (any(name in doc["fail_on"] for name in classes) and not finding["allowed"]
             and finding.get("baseline") != "unchanged")
 
 

@@ -48,9 +48,9 @@ def _status(doc: dict) -> tuple[str, str]:
     quiet = len(doc["findings"]) - failing
     if failing:
         verdicts = ", ".join(doc["fail_on"])
-        has, are = ("have", "are") if failing != 1 else ("has", "is")
+        are = "are" if failing != 1 else "is"
         nor = " nor unchanged since the baseline" if doc.get("baseline") else ""
-        return "fails", (f"Exit code 1: {failing} finding{'s' if failing != 1 else ''} {has} a verdict listed "
+        return "fails", (f"Exit code 1: {failing} finding{'s' if failing != 1 else ''} {are} of a class listed "
                          f"in --fail-on ({verdicts}) and {are} not allowed{nor}.")
     why = "allowed, unchanged since the baseline or not in --fail-on" if doc.get("baseline") else \
         "allowed or not in --fail-on"
@@ -95,11 +95,44 @@ def _baseline(doc: dict) -> str:
                   f'<ul class="fixed">{items}</ul>'
 
 
+def _summaries(doc: dict) -> str:
+    """The summary lines, each with its next step: what it means for generation and what people usually do."""
+    lines, steps = doc.get("summaries", []), doc.get("next_steps") or []
+    if not lines:
+        return ""
+    items = "".join(f"<li>{_e(line)}" + (f'<p class="next">Next: {_e(steps[index])}</p>' if index < len(steps)
+                                         else "") + "</li>" for index, line in enumerate(lines))
+    return f'<h3>What the findings are</h3><ul class="summaries">{items}</ul>'
+
+
 def _summary(doc: dict) -> str:
     notes = list(doc.get("notes", [])) + list(doc.get("warnings", []))
     return ('<section id="summary"><h2>Summary</h2>' + _facts(doc) + _counts(doc)
-            + _list("What the findings are", doc.get("summaries", []), "summaries") + _list("Notes", notes, "notes")
-            + _baseline(doc) + "</section>")
+            + _summaries(doc) + _list("Notes", notes, "notes") + _baseline(doc) + "</section>")
+
+
+# the words of the report that are not everyday ones, in plain words first
+GLOSSARY = (
+    ("margin", "a token's logit minus the largest other logit, at one hidden state: positive where the token is "
+               "the top prediction. An argmaxable token's certificate is a hidden state (its witness) with a "
+               "positive margin."),
+    ("residual", "how far a mix of other rows, with weights that sum to 1, is from the token's own row. A residual "
+                 "at rounding level (1e-14, say) means the row is inside their hull: whatever the hidden state, one "
+                 "of those tokens scores at least as high, so the token is never the top prediction."),
+    ("dual bound", "in a bounded domain (a ball, a box, the final norm's outputs): the certificate's upper bound on "
+                   "the token's margin anywhere in the domain. At most 0: the token never wins there."),
+    ("group verdict", "for tied tokens, whose rows are identical: whether the group as a whole can be the top "
+                      "prediction. Greedy decoding returns the first maximal logit, so when the group leads it emits "
+                      "the lowest id and never the others; when the group is unargmaxable, no member is ever "
+                      "emitted."),
+    ("never-emitted", "the --fail-on class of every token greedy decoding can never produce: unargmaxable tokens, "
+                      "every member of an unargmaxable group, and every tied token but the lowest id of its group."),
+)
+
+
+def _glossary() -> str:
+    terms = "".join(f"<dt>{_e(term)}</dt><dd>{_e(meaning)}</dd>" for term, meaning in GLOSSARY)
+    return f'<section id="glossary"><h2>Glossary</h2><dl>{terms}</dl></section>'
 
 
 # -- the findings table -------------------------------------------------------------------------
@@ -240,6 +273,8 @@ table { border-collapse: collapse; }
 .v-tied { border-left-color: #ff7f0e !important; } .v-inconclusive { border-left-color: #9467bd !important; }
 .v-low-ceiling { border-left-color: #8c564b !important; } .v-undecided { border-left-color: #bbbbbb !important; }
 .notes li, .summaries li { margin: 2px 0; }
+.summaries .next { margin: 0 0 4px; color: var(--muted); }
+#glossary dt { font-weight: 600; margin-top: 6px; } #glossary dd { margin: 0 0 0 18px; }
 .controls { display: flex; flex-wrap: wrap; gap: 14px; align-items: center; margin: 6px 0 10px; }
 .controls input { width: 18em; padding: 3px 6px; } .controls select { padding: 2px 4px; }
 #shown, .more { color: var(--muted); }
@@ -339,7 +374,7 @@ def render_page(doc: dict, plots: list, command: str) -> str:
         f"<style>{_STYLE}</style></head>",
         f"<body><script>{_ERROR_HOOK}</script>",
         f'<header class="{word}"><h1>Argmaxability audit: {word}</h1><p>{_e(meaning)}</p></header>',
-        "<main>", _summary(doc), _findings(doc), _plots(plots), _footer(command), "</main>",
+        "<main>", _summary(doc), _findings(doc), _glossary(), _plots(plots), _footer(command), "</main>",
         f"<script>{_SCRIPT}</script>",
         "</body></html>",
         "",

@@ -74,10 +74,14 @@ def document(result: GateResult) -> dict:
                 "explanation": f.explanation,
                 "kind": f.kind,
                 "baseline": f.baseline,
+                "greedy": f.greedy,
+                "classes": list(f.classes or (f.verdict,)),
+                "next_step": f.next_step,
             }
             for f in result.findings
         ],
         "summaries": list(result.summaries),
+        "next_steps": list(result.next_steps),
         "baseline": result.baseline,
         "warnings": list(result.warnings),
         "notes": head.notes,

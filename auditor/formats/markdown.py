@@ -26,7 +26,12 @@ def render_document(doc: dict) -> str:
     out += ["", "| verdict | tokens |", "| --- | ---: |"]
     out += [f"| {name} | {count} |" for name, count in verdict_counts(doc).items()]
     if doc.get("summaries"):
-        out += [""] + [f"- {_cell(line)}" for line in doc["summaries"]]
+        steps = doc.get("next_steps") or []
+        out.append("")
+        for index, line in enumerate(doc["summaries"]):
+            out.append(f"- {_cell(line)}")
+            if index < len(steps):
+                out.append(f"  - *next:* {_cell(steps[index])}")
     if doc.get("notes"):
         out += [""] + [f"> {_cell(note)}" for note in doc["notes"]]
     for warning in doc.get("warnings", []):  # one blockquote each: consecutive quoted lines would run together

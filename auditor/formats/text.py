@@ -14,6 +14,7 @@ from auditor.gate import GateResult
 # the evidence column is as wide as its longest entry within these bounds; a longer explanation wraps
 # onto the following lines of its column, so the competitors stay in line
 _EVIDENCE_WIDTH = (26, 48)
+_NEXT_STEP_WIDTH = 100  # a summary's next step wraps at this width, under the summary
 
 
 def _wrapped(evidence_text: str, width: int) -> list[str]:
@@ -30,11 +31,23 @@ def _tags(finding: dict) -> str:
     return "".join(f"  [{tag}]" for tag in tags)
 
 
+def _summaries(doc: dict) -> list[str]:
+    """Each summary line, followed by its next step (wrapped under it); a document without next steps has none."""
+    steps = doc.get("next_steps") or []
+    lines = []
+    for index, summary in enumerate(doc.get("summaries", [])):
+        lines.append(f"{'summary':<8} {summary}")
+        if index < len(steps):
+            first, *rest = textwrap.wrap(steps[index], _NEXT_STEP_WIDTH)
+            lines += [f"{'next':<8} {first}"] + [f"{'':<8} {piece}" for piece in rest]
+    return lines
+
+
 def render_document(doc: dict) -> str:
     """The text report of a JSON document (json_format.document, or a merged one)."""
     lines = [f"{label:<8} {value}" for label, value in head_lines(doc)]
     lines.append(f"{'verdicts':<8} " + ", ".join(f"{name} {count}" for name, count in verdict_counts(doc).items()))
-    lines += [f"{'summary':<8} {line}" for line in doc.get("summaries", [])]
+    lines += _summaries(doc)
     lines += [f"{'note':<8} {note}" for note in doc.get("notes", [])]
     lines += [f"{'warning':<8} {warning}" for warning in doc.get("warnings", [])]
     with_tokens = has_token_strings(doc)
