@@ -84,7 +84,8 @@ def test_true_head_passes_on_the_command_line(demo_certificates):
     done = verify_cli(demo_certificates, DEMO)
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(done.stdout.strip().splitlines()) == 1
-    assert done.stdout.startswith("audit-verify: ") and done.stdout.strip().endswith("certificates checked, all hold")
+    # tokens and tie groups are counted apart: the demo's 4005 tokens, and its one group (17 and its copy 4004)
+    assert done.stdout.strip() == "audit-verify: 4005 tokens and 1 tie group checked, all hold"
 
 
 def test_true_head_passes_in_python_from_the_file_and_from_its_json(demo_certificates):
@@ -161,6 +162,108 @@ def test_a_dropped_certificate_is_an_error_not_an_undecided_token(demo_certifica
 
     line = one_error_line(verify_cli(tampered(demo_certificates, tmp_path / "c.json", drop), DEMO))
     assert "counts say 6 unargmaxable tokens but it lists 5" in line
+
+
+# -- every stated number ----------------------------------------------------------------------------
+
+
+def edit_field(k: int, path: tuple, value):
+    def edit(entries, _):
+        *parents, last = path
+        entry = entries[k]
+        for key in parents:
+            entry = entry[key]
+        entry[last] = value
+    return edit
+
+
+def stated_numbers_fail(certificates: Path, head: Path, tmp_path: Path, k: int, path: tuple, value, field: str):
+    """The file with one number edited fails on exactly token k, and the failure names the field."""
+    done = verify_cli(tampered(certificates, tmp_path / "edited.json", edit_field(k, path, value)), head)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert failed_ids(done) == {k}, done.stdout
+    line = next(line for line in done.stdout.splitlines() if line.split()[0] == str(k))
+    reasons = line.split(None, 2)[2].split("; ")  # after the id and the verdict
+    assert any(reason.startswith(f"{field}: ") for reason in reasons), line
+
+
+def test_a_margin_edited_upwards_fails_naming_the_margin(demo_certificates, tmp_path):
+    document = json.loads(demo_certificates.read_text())
+    for kind in (dict, list):  # a screen's formula witness and a witness written out
+        k = next(t["id"] for t in document["tokens"]
+                 if t["verdict"] == "argmaxable" and isinstance(t.get("witness"), kind))
+        stated_numbers_fail(demo_certificates, DEMO, tmp_path, k, ("margin",), 99.0, "margin")
+
+
+def test_a_residual_edited_downwards_fails_naming_the_residual(demo_certificates, tmp_path):
+    document = json.loads(demo_certificates.read_text())
+    entry = max((t for t in document["tokens"] if "convex" in t), key=lambda t: t["convex"]["residual"])
+    assert entry["convex"]["residual"] > 0
+    stated_numbers_fail(demo_certificates, DEMO, tmp_path, entry["id"], ("convex", "residual"),
+                        entry["convex"]["residual"] / 1024, "residual")
+
+
+def test_a_bias_gap_edited_below_zero_fails_naming_the_bias_gap(demo_certificates, tmp_path):
+    # the demo has no bias: every gap is exactly 0, and a file that claims -1 claims what no weights give
+    stated_numbers_fail(demo_certificates, DEMO, tmp_path, 4001, ("convex", "bias_gap"), -1.0, "bias_gap")
+
+
+def test_inconclusive_bounds_that_contradict_each_other_fail(demo_certificates, tmp_path):
+    weight = load_file(str(DEMO))["weight"]
+    document = json.loads(demo_certificates.read_text())
+    entry = next(t for t in document["tokens"] if t["id"] == 4001)
+    entry.update(verdict="inconclusive", bounds={"margin_lower": 0.5, "margin_upper": -0.5})
+    entry.pop("convex")
+    document["counts"]["unargmaxable"] -= 1
+    document["counts"]["inconclusive"] += 1
+    result = auditor.verify(document, weight)
+    assert result.failed == [4001] and result.reasons[4001][0].startswith("bounds: margin_lower")
+    entry["bounds"] = {"margin_lower": -0.5, "margin_upper": 0.5}
+    assert auditor.verify(document, weight).ok
+
+
+@pytest.fixture(scope="module")
+def ball_ceilings(tmp_path_factory):
+    """A biased head audited in ball:10 with probability ceilings: residuals there are dual bounds."""
+    weight, bias = small_head(np.random.default_rng(8))
+    folder = tmp_path_factory.mktemp("ball")
+    head = folder / "head.safetensors"
+    save_file({"lm_head.weight": weight, "lm_head.bias": bias}, str(head))
+    certificates = folder / "c.json"
+    done = audit_cli(head, "--domain", "ball:10", "--ceiling", "0.5", "--certificates", certificates, "--quiet")
+    assert done.returncode in (0, 1), done.stderr
+    return certificates, head
+
+
+def test_ball_certificates_with_ceilings_hold_untampered(ball_ceilings):
+    certificates, head = ball_ceilings
+    done = verify_cli(certificates, head)
+    assert done.returncode == 0 and done.stdout.strip() == "audit-verify: 120 tokens and 0 tie groups checked, all hold", \
+        done.stdout + done.stderr
+
+
+def test_a_dual_bound_edited_downwards_fails_naming_it(ball_ceilings, tmp_path):
+    certificates, head = ball_ceilings
+    entry = next(t for t in json.loads(certificates.read_text())["tokens"] if t["id"] == 118)
+    assert entry["verdict"] == "unargmaxable"
+    stated_numbers_fail(certificates, head, tmp_path, 118, ("convex", "residual"),
+                        entry["convex"]["residual"] - 1.0, "residual (the dual bound)")
+    stated_numbers_fail(certificates, head, tmp_path, 118, ("convex", "bias_gap"),
+                        entry["convex"]["bias_gap"] - 1.0, "bias_gap")
+
+
+def test_probability_bounds_edited_fail_naming_them(ball_ceilings, tmp_path):
+    certificates, head = ball_ceilings
+    tokens = json.loads(certificates.read_text())["tokens"]
+    low = min(tokens, key=lambda t: t["max_probability"]["lower"])
+    high = max(tokens, key=lambda t: t["max_probability"]["lower"])
+    assert low["max_probability"]["lower"] < 0.5 and high["max_probability"]["lower"] > 0.5
+    stated_numbers_fail(certificates, head, tmp_path, low["id"], ("max_probability", "lower"),
+                        min(1.0, 2 * low["max_probability"]["upper"] + 0.01), "max_probability.lower")
+    stated_numbers_fail(certificates, head, tmp_path, high["id"], ("max_probability", "upper"),
+                        high["max_probability"]["lower"] / 2, "max_probability.upper")
+    stated_numbers_fail(certificates, head, tmp_path, high["id"], ("max_probability", "point"),
+                        [0.0] * 5, "max_probability.lower")
 
 
 # -- errors ------------------------------------------------------------------------------------------

@@ -5,8 +5,10 @@
 
 The head is loaded as ``audit`` loads it (same --weight / --bias rules), must
 have the file's shape, bias and domain, and every certificate is re-checked
-with ``auditor.verify``: plain float64 numpy, no engine code. Exit codes: 0
-every certificate holds, 1 some do not (their ids are listed), 2 the file or
+with ``auditor.verify``: plain float64 numpy, no engine code, and so is every
+number the file states (margin, residual or dual bound, bias gap, bounds,
+max_probability). Exit codes: 0 every certificate and number holds, 1 some do
+not (their ids are listed, each with the field that fails), 2 the file or
 checkpoint cannot be read or does not fit (one line on stderr, no traceback
 unless --debug).
 """
@@ -28,8 +30,10 @@ from auditor.verify import verify
 
 _EPILOG = """\
 exit codes:
-  0  every certificate holds
-  1  at least one does not: one line per failing token id, then the list
+  0  every certificate, and every number the file states, holds
+  1  at least one does not: one line per failing token id naming the field
+     (witness, convex weights, margin, residual, bias_gap, max_probability,
+     bounds), then the list
   2  error: a missing or unreadable file, not a certificates file, a head of
      another shape, bias or domain than the file's (one line on stderr)
 
@@ -121,14 +125,19 @@ def run(args: argparse.Namespace) -> int:
     _check_fits(certs, head, args.path)
     result = verify(certs, head.weight, head.bias, final_norm=_final_norm(certs, head, args))
 
-    undecided = len(certs.ids("undecided"))
-    unchecked = f" ({undecided} undecided tokens have none)" if undecided else ""
+    undecided, inconclusive = len(certs.ids("undecided")), len(certs.ids("inconclusive"))
+    notes = [f"{undecided} undecided tokens have none"] if undecided else []
+    if inconclusive:
+        notes.append(f"{inconclusive} inconclusive tokens have bounds, not certificates")
+    unchecked = f" ({'; '.join(notes)})" if notes else ""
+    groups = f"{result.groups} tie group{'' if result.groups == 1 else 's'}"
+    checked = f"{result.tokens} token{'' if result.tokens == 1 else 's'} and {groups} checked"
     if result.ok:
-        print(f"audit-verify: {result.checked} certificates checked, all hold{unchecked}")
+        print(f"audit-verify: {checked}, all hold{unchecked}")
         return EXIT_CLEAN
     for k in result.failed:
         print(f"{k:>8}  {certs.tokens[k].verdict:<13} {'; '.join(result.reasons.get(k, ['does not hold']))}")
-    print(f"audit-verify: {result.checked} certificates checked{unchecked}, {len(result.failed)} failed: "
+    print(f"audit-verify: {checked}{unchecked}, {len(result.failed)} failed: "
           f"{', '.join(map(str, result.failed))}")
     return EXIT_FINDINGS
 

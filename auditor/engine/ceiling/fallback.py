@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from auditor._io import quiet_stdout
 from auditor.domain import Ball
 
 
@@ -23,7 +24,8 @@ def cvxpy_point(weight, bias, k: int, domain) -> torch.Tensor | None:
     limit = cp.norm(z, 2) <= domain.radius if isinstance(domain, Ball) else cp.abs(z) <= domain.radius
     problem = cp.Problem(cp.Minimize(cp.log_sum_exp((W[rivals] - W[k]) @ z + (b[rivals] - b[k]))), [limit])
     try:
-        problem.solve(solver=cp.CLARABEL)
+        with quiet_stdout():  # standard output carries the report: a solver's own lines must not reach it
+            problem.solve(solver=cp.CLARABEL)
     except (cp.error.SolverError, ValueError, ArithmeticError):
         return None
     if z.value is None:

@@ -16,6 +16,9 @@ Nothing here reuses the engine: plain float64 numpy on the caller's weights.
   recomputed with its rounding error added on the unfavourable side. m is the
   coordinate-wise median of the distinct rows and t the 10th percentile of their
   non-zero distances from it: the rows' spread, which no common offset changes.
+- Every number the file states beside a certificate is re-derived (numbers.py):
+  a margin, residual, bias gap, dual bound or probability bound that claims
+  more than the weights give fails, with the field named.
 
 The head is first rescaled by an exact power of two (logits scale with it, so
 every sign is unchanged) to keep norms and products away from overflow.
@@ -37,33 +40,25 @@ from auditor._arrays import as_float64
 from auditor.certificates import Certificates, parse_certificates
 from auditor.domain import Ball, Unbounded
 from auditor.errors import InputError
+from auditor.verify.arithmetic import ETA, U, dual_at_most_exactly, exactly, gamma, safe_norm
+from auditor.verify.numbers import Reach, convex_claims, margin_limit, probability_claims
 
 if TYPE_CHECKING:  # the checker uses no engine code; a report is only read through its certificates
     from auditor.report import AuditReport
 
-_U = 2.0**-53
-_ETA = 2.0**-1074
-
-
-def _gamma(n: int) -> float:
-    return n * _U / (1 - n * _U)
-
-
-def _norm(x: np.ndarray, axis=None):
-    """Euclidean norm without underflow or overflow: the peak is divided out first."""
-    peak = np.abs(x).max(axis=axis, keepdims=True, initial=0.0)
-    unit = x / np.where(peak > 0, peak, 1.0)
-    return np.squeeze(peak, axis=axis) * np.linalg.norm(unit, axis=axis)
-
 
 @dataclass
 class Verification:
-    """``checked`` certificates re-checked; ``failed`` the sorted ids whose certificate does not hold,
-    ``reasons[k]`` what failed for each (tie, missing certificate, witness, convex weights)."""
+    """``checked`` certificates re-checked (a tie claim, a witness, convex weights each count one), for
+    ``tokens`` distinct tokens and ``groups`` distinct tie groups; ``failed`` the sorted ids whose certificate
+    or stated numbers do not hold, ``reasons[k]`` what failed for each, starting with the field's name
+    (tie, missing certificate, witness, convex weights, margin, residual, bias_gap, max_probability, bounds)."""
 
     checked: int = 0
     failed: list[int] = field(default_factory=list)
     reasons: dict[int, list[str]] = field(default_factory=dict)
+    tokens: int = 0
+    groups: int = 0
 
     @property
     def ok(self) -> bool:
@@ -115,13 +110,17 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
         shift = as_float64(final_norm.bias) if final_norm.bias is not None else np.zeros(d)
         norm = (final_norm.kind, gain, shift, float(final_norm.eps))
     scale = _power_of_two(W, b)
+    given = W, b  # probabilities, unlike signs, change with the head's scale
     W, b = W * scale, b * scale  # exact: the largest entry lands in [0.5, 1), far from underflow for real heads
     n, d = W.shape
     result = Verification()
     tokens = [report.tokens[k] for k in range(n)]
     group = {t.id: set(t.tied_with) for t in tokens if t.tied_with}
+    result.groups = len({frozenset(others | {k}) for k, others in group.items()})
+    checked: set[int] = set()  # the tokens whose certificate was checked
     for k, others in group.items():  # a tie is itself a claim: equal logits wherever the domain reaches
         result.checked += 1
+        checked.add(k)
         untied = [j for j in sorted(others) if not _tied(W, b, k, j, norm)]
         if untied:
             result.fail(k, f"tie: not the same logits as {', '.join(map(str, untied))}")
@@ -133,18 +132,27 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
     for token in tokens:  # every decided verdict must carry the certificate it claims
         if token.verdict == "tied" and not token.tied_with:
             result.checked += 1
+            checked.add(token.id)
             result.fail(token.id, "missing certificate: tied, but with no copies named")
             continue
         claim = token.group_verdict if token.verdict == "tied" else token.verdict
         if claim == "argmaxable" and point(token) is None:
             result.checked += 1
+            checked.add(token.id)
             result.fail(token.id, f"missing certificate: no {'witness' if norm is None else 'pre_norm'}")
         elif claim == "unargmaxable" and token.convex_indices is None:
             result.checked += 1
+            checked.add(token.id)
             result.fail(token.id, "missing certificate: no convex weights")
+        lower, upper = token.bounds if token.bounds is not None else (-math.inf, math.inf)
+        if lower > upper:  # the two bounds of an inconclusive token cannot both hold (weak duality)
+            result.fail(token.id, f"bounds: margin_lower {lower:.6g} is above margin_upper {upper:.6g}")
 
     with_witness = [t.id for t in tokens if point(t) is not None]
     abs_W = np.abs(W)
+    reach = Reach(W, b, norm, float32=True)
+    # an unbounded head without a (non-constant) bias quotes its margins on the unit ball
+    unit_ball = str(report.domain) == "unbounded" and not np.any(b != b[0])
     for start in range(0, len(with_witness), chunk):
         ks = np.array(with_witness[start:start + chunk])
         if norm is not None:  # the model's own output for the stated hidden state, not the report's z
@@ -153,41 +161,70 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
             Z = np.stack([tokens[int(k)].witness for k in ks])
         rows = np.arange(len(ks))
         logits = Z @ W.T + b[None, :]
-        bound = _gamma(d + 2) * (np.abs(Z) @ abs_W.T + np.abs(b)[None, :]) * (1 + _gamma(d + 2)) + 4 * (d + 4) * _ETA
+        bound = gamma(d + 2) * (np.abs(Z) @ abs_W.T + np.abs(b)[None, :]) * (1 + gamma(d + 2)) + 4 * (d + 4) * ETA
         diff = logits[rows, ks][:, None] - logits
-        tolerance = bound[rows, ks][:, None] + bound + _U * np.abs(diff)
+        tolerance = bound[rows, ks][:, None] + bound + U * np.abs(diff)
         wins = diff > tolerance
         wins[rows, ks] = True  # a token is not its own rival, nor are its exact copies
         for j, k in enumerate(ks.tolist()):
             for other in group.get(k, ()):
                 wins[j, other] = True
+        # an upper bound on the exact lead of k at z over every rival
+        rivals = np.ones_like(wins)
+        rivals[rows, ks] = False
+        for j, k in enumerate(ks.tolist()):
+            rivals[j, list(group.get(k, ()))] = False
+        with np.errstate(invalid="ignore", over="ignore"):
+            leads = np.where(rivals, diff + tolerance, np.inf).min(axis=1, initial=np.inf)
         for j, k in enumerate(ks.tolist()):
             result.checked += 1
+            checked.add(k)
             if not np.all(np.isfinite(Z[j])):
                 result.fail(k, "witness: not a finite vector")
-            elif not report.domain.contains(Z[j], _norm):
+                continue
+            if not report.domain.contains(Z[j], safe_norm):
                 result.fail(k, f"witness: outside the {report.domain} domain")
             elif not wins[j].all():
                 rival = int(np.argmin(np.where(wins[j], np.inf, diff[j] - tolerance[j])))
                 result.fail(k, f"witness: does not beat token {rival} beyond rounding")
+            stated = tokens[k].margin
+            if stated is not None and math.isfinite(leads[j]) and not math.isnan(stated):
+                most = margin_limit(leads[j] + reach.allowance(Z[j]), float(safe_norm(Z[j])), unit_ball,
+                                    reach.relative)
+                if stated * scale > most:
+                    result.fail(k, f"margin: states {stated:.6g}, more than its witness gives "
+                                   f"(at most {most / scale:.6g})")
 
     tol = report.tolerances["residual_tol"]
     # the last entry: whether the rows are the head's own, whose dual value may be settled exactly
     views = [(report.domain, W, b, _typical_spread(W, b), True)]
+    claims = {"": (report.domain, W, b, None, None, True)}  # the head on which each stage's numbers are stated
     if norm is not None:  # the hull on the rows as given, or the ball question on the reduced head
         kind, gain, shift, _ = norm
         reduced = _reduced_rows(W, norm)
         reduced_bias = W @ shift + b
         views = [(Unbounded(), W, b, views[0][3], True),
                  (Ball(math.sqrt(d)), reduced, reduced_bias, _typical_spread(reduced, reduced_bias), False)]
+        # bounds on the checker's own rounding of the reduced rows and biases
+        row_error = 4 * gamma(d + 2) * safe_norm(W * gain, axis=1)
+        bias_error = gamma(d + 2) * (np.abs(W) @ np.abs(shift) + np.abs(b)) + 4 * ETA
+        claims = {"": (views[1][0], reduced, reduced_bias, row_error, bias_error, False),
+                  "unbounded hull": (Unbounded(), W, b, None, None, True)}
     for token in tokens:
         if token.convex_indices is None:
             continue
         result.checked += 1
+        checked.add(token.id)
         why = [_convex_failure(domain, rows, bias_, token, group.get(token.id, set()), tol, typical, exact)
                for domain, rows, bias_, typical, exact in views]
         if all(why):  # every view fails; the first (the domain as given) says why
             result.fail(token.id, f"convex weights: {why[0]}")
+            continue
+        for reason in convex_claims(*claims.get(token.stage if norm is not None else "", claims[""]), token, scale):
+            result.fail(token.id, reason)
+    for k, reason in probability_claims(tokens, report.domain, *given, norm, chunk):
+        result.fail(k, reason)
+    result.tokens = len(checked)
     result.failed = sorted(set(result.failed))
     return result
 
@@ -215,7 +252,7 @@ def _typical_spread(W: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
     distinct = np.unique(np.hstack([W, b[:, None]]), axis=0)[:, :-1]
     middle = (distinct.shape[0] - 1) // 2
     centre = np.partition(distinct, middle, axis=0)[middle]
-    norms = _norm(distinct - centre, axis=1)
+    norms = safe_norm(distinct - centre, axis=1)
     positive = np.sort(norms[norms > 0])
     return centre, (float(positive[max(1, int(0.1 * positive.size)) - 1]) if positive.size else 0.0)
 
@@ -224,23 +261,6 @@ def _reduced_rows(W: np.ndarray, norm) -> np.ndarray:
     kind, gain, _, _ = norm
     scaled = W * gain
     return scaled - scaled.mean(axis=1, keepdims=True) if kind == "layernorm" else scaled
-
-
-def _dual_at_most_zero_exactly(domain, alpha, w_k, rows, b_k, b) -> bool:
-    """Whether s_D(w_k - sum beta_i w_i) + sum beta_i (b_k - b_i) <= 0 for beta = alpha / sum(alpha), in
-    rational arithmetic (the ball: r^2 ||x||^2 <= gap^2 with gap <= 0; the box: r ||x||_1 + gap <= 0)."""
-    from fractions import Fraction
-
-    a = [Fraction(float(v)) for v in alpha]
-    total = sum(a)
-    x = [Fraction(float(w_k[j])) - sum(c * Fraction(float(v)) for c, v in zip(a, rows[:, j])) / total
-         for j in range(rows.shape[1])]
-    gap = sum(c * (Fraction(float(b_k)) - Fraction(float(v))) for c, v in zip(a, b)) / total
-    # the checker's own formulas, apart from the engine's (domain.py): a shared mistake would pass both
-    r = Fraction(float(domain.radius))
-    if isinstance(domain, Ball):
-        return gap <= 0 and r * r * sum(v * v for v in x) <= gap * gap
-    return r * sum(abs(v) for v in x) + gap <= 0
 
 
 def _convex_failure(domain, W, b, token, group: set, tol: float, spread, exact: bool) -> str | None:
@@ -265,22 +285,19 @@ def _convex_failure(domain, W, b, token, group: set, tol: float, spread, exact: 
     # itself, so a common offset of the rows adds no error
     differences = W[idx] - W[k]
     offset = -(beta @ differences)
-    r_k = float(_norm(W[k] - centre))
-    involved = float(beta @ _norm(differences, axis=1))
-    slack = 2 * _gamma(s + 3) * involved
+    r_k = float(safe_norm(W[k] - centre))
+    involved = float(beta @ safe_norm(differences, axis=1))
+    slack = 2 * gamma(s + 3) * involved
     if involved > 0:  # products of exact zeros cannot underflow
-        slack += 4 * (d + 4) * _ETA
-    residual = float(_norm(offset)) * (1 + _gamma(d + 1)) + slack
+        slack += 4 * (d + 4) * ETA
+    residual = float(safe_norm(offset)) * (1 + gamma(d + 1)) + slack
     gap = 0.0
     bias_differences = b[k] - b[idx]
     if np.any(bias_differences):  # as the engine: products of zeros cannot underflow
         computed = float(beta @ bias_differences)
-        gap = computed + 2 * _gamma(s + 3) * float(beta @ np.abs(bias_differences)) + 4 * _ETA
+        gap = computed + 2 * gamma(s + 3) * float(beta @ np.abs(bias_differences)) + 4 * ETA
         if computed <= 0 < gap and s <= 64:  # zero up to rounding: its sign in rational arithmetic
-            from fractions import Fraction
-
-            a = [Fraction(float(v)) for v in alpha]
-            exact = sum(x * (Fraction(float(b[k])) - Fraction(float(v))) for x, v in zip(a, b[idx])) / sum(a)
+            exact = exactly(alpha, W[k][:0], W[idx][:, :0], b[k], b[idx])[1]
             gap = -1.0 if exact < 0 else (0.0 if exact == 0 else gap)
     hull = residual <= tol * max(r_k, typical) and gap <= 0
     if hull:
@@ -290,12 +307,12 @@ def _convex_failure(domain, W, b, token, group: set, tol: float, spread, exact: 
         if isinstance(domain, Ball):
             support = domain.radius * residual
         else:
-            support = domain.radius * (float(np.abs(offset).sum()) * (1 + _gamma(d)) + math.sqrt(d) * slack)
+            support = domain.radius * (float(np.abs(offset).sum()) * (1 + gamma(d)) + math.sqrt(d) * slack)
         if support + gap <= 0:
             return None
-        size = float(_norm(offset)) if isinstance(domain, Ball) else float(np.abs(offset).sum())
+        size = float(safe_norm(offset)) if isinstance(domain, Ball) else float(np.abs(offset).sum())
         computed = domain.radius * size + float(beta @ bias_differences)
-        if exact and s <= 64 and computed <= (support + gap) - computed and _dual_at_most_zero_exactly(
+        if exact and s <= 64 and computed <= (support + gap) - computed and dual_at_most_exactly(
                 domain, alpha, W[k], W[idx], b[k], b[idx]):
             return None  # zero within rounding, and at most zero in rational arithmetic
         return "the dual value is positive, and the residual or bias gap too large for the hull test"
