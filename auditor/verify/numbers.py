@@ -78,7 +78,7 @@ def convex_claims(domain, W, b, row_error, bias_error, exact: bool, token, scale
         if claim < lower or (undecided(lower, gap + gap_error, claim) and exact
                              and exactly(alpha, W[k][:0], W[idx][:, :0], b[k], b[idx])[1] > claim):
             reasons.append(f"bias_gap: states {stated_gap:.6g}, below what the weights give "
-                           f"(at least {max(lower, claim) / scale:.6g})")
+                           f"({_at_least(lower, claim, scale)})")
     stated = token.residual
     if stated is None or math.isnan(stated):
         return reasons
@@ -94,9 +94,12 @@ def convex_claims(domain, W, b, row_error, bias_error, exact: bool, token, scale
         upper = domain.radius * (size * (1 + gamma(d + 1)) + error) + gap + gap_error
     if claim < lower or (undecided(lower, upper, claim) and decidable
                          and not dual_at_most_exactly(domain, alpha, W[k], W[idx], b[k], b[idx], claim)):
-        reasons.append(f"{name}: states {stated:.6g}, below what the weights give "
-                       f"(at least {max(lower, claim) / scale:.6g})")
+        reasons.append(f"{name}: states {stated:.6g}, below what the weights give ({_at_least(lower, claim, scale)})")
     return reasons
+
+
+def _at_least(lower: float, claim: float, scale: float) -> str:
+    return f"at least {lower / scale:.6g}" if claim < lower else "more, in exact rational arithmetic"
 
 
 def _log_sum_exp(x: np.ndarray) -> np.ndarray:
