@@ -32,7 +32,6 @@ from auditor.blocks import plan_blocks
 from auditor.certificates import merge_certificates
 from auditor.distributed import _outcome
 
-pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "fixtures" / "resized_demo.safetensors"
@@ -131,6 +130,7 @@ def assert_same_certificates(path: Path, whole: dict, weight) -> None:
     assert auditor.verify(auditor.load_certificates(path), weight).ok
 
 
+@pytest.mark.distributed
 def test_two_ranks_write_the_report_of_one_process(planted, tmp_path):
     out, certificates = tmp_path / "report.json", tmp_path / "certificates.json"
     done = torchrun("--nproc-per-node", "2", "-m", "auditor", planted["path"], "--format", "json", "--output", out,
@@ -144,6 +144,7 @@ def test_two_ranks_write_the_report_of_one_process(planted, tmp_path):
     assert_same_certificates(certificates, planted["certificates"], planted["weight"])
 
 
+@pytest.mark.distributed
 def test_two_nodes_on_loopback_write_the_report_of_one_process(planted, tmp_path):
     port = free_port()
     nodes = []
@@ -171,6 +172,7 @@ def _ranks(port, rank_args, cwds):
     return [p.returncode for p in processes], outputs, time.monotonic() - started
 
 
+@pytest.mark.distributed
 def test_a_checkpoint_missing_on_one_node_stops_every_rank_with_one_line(planted, tmp_path):
     """Rank 1 runs where the relative path names nothing, as on a node without the checkpoint."""
     here, elsewhere = planted["path"].parent, tmp_path
@@ -183,6 +185,7 @@ def test_a_checkpoint_missing_on_one_node_stops_every_rank_with_one_line(planted
     assert not (tmp_path / "report.json").exists()
 
 
+@pytest.mark.distributed
 def test_a_rank_whose_partner_never_comes_gives_up_within_the_timeout(tmp_path):
     started = time.monotonic()
     alone = rank_process(0, 2, free_port(), DEMO, "--dist-timeout", "2", "--quiet", cwd=tmp_path)
@@ -192,6 +195,7 @@ def test_a_rank_whose_partner_never_comes_gives_up_within_the_timeout(tmp_path):
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.distributed
 def test_a_rank_that_fails_while_deciding_stops_the_others_early(tmp_path):
     """Rank 1's --work-dir is a file on its node: it fails after the ranks met, while rank 0 decides its
     blocks; rank 0 stops after its current block instead of deciding all the blocks of the demo head."""
@@ -209,6 +213,7 @@ def test_a_rank_that_fails_while_deciding_stops_the_others_early(tmp_path):
     assert not (node0 / "report.json").exists()
 
 
+@pytest.mark.distributed
 def test_ranks_share_a_work_dir_and_a_rerun_decides_nothing(planted, tmp_path):
     work = tmp_path / "work"
     first, again = tmp_path / "first.json", tmp_path / "again.json"
@@ -227,6 +232,7 @@ def test_ranks_share_a_work_dir_and_a_rerun_decides_nothing(planted, tmp_path):
         {k: v for k, v in report.items() if k not in ("run", "timing")}  # the very same blocks: every number
 
 
+@pytest.mark.distributed
 def test_a_killed_audit_resumes_from_its_blocks(planted, tmp_path):
     work = tmp_path / "work"
     command = [sys.executable, "-m", "auditor", str(planted["path"]), "--work-dir", str(work), "--block-size", "100",
@@ -328,6 +334,7 @@ def test_merged_certificates_list_every_token_once_with_counts_summed():
     assert merged["timings"] == {"screen": 2.0}
 
 
+@pytest.mark.distributed
 def test_ranks_on_nodes_holding_different_heads_stop_with_one_line(planted, tmp_path):
     """Same file name and shape on both "nodes", another planted row on the second: merging the two halves
     would report neither node's findings, so the ranks must refuse at their first meeting."""

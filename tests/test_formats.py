@@ -276,6 +276,7 @@ def demo_shards(tmp_path_factory):
     return parts
 
 
+@pytest.mark.slow
 def test_merge_prints_the_merged_report_as_text(demo_shards):
     done = _command("auditor.cli.merge", *demo_shards, "--format", "text")
     assert done.returncode == 1, done.stderr
@@ -288,6 +289,7 @@ def test_merge_prints_the_merged_report_as_text(demo_shards):
     assert done.stdout.splitlines()[-1] == "7 failing findings (1 allowed or not in --fail-on)"
 
 
+@pytest.mark.slow
 def test_merge_writes_markdown_to_its_output(demo_shards, tmp_path):
     out = tmp_path / "merged.md"
     done = _command("auditor.cli.merge", *demo_shards, "--format", "markdown", "--output", out)

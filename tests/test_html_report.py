@@ -6,10 +6,12 @@ when chromium is missing, except in CI (``CI`` set), which must have it.
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+from html import unescape
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -89,6 +91,7 @@ def dump_dom(chromium, page, tmp_path, fragment="") -> Dom:
     return Dom(done.stdout)
 
 
+@pytest.mark.slow
 def test_demo_page_runs_its_script_and_lists_exactly_the_findings(chromium, demo_page, tmp_path):
     dom = dump_dom(chromium, demo_page, tmp_path)
     assert dom.body.get("data-ready") == "1"
@@ -97,16 +100,19 @@ def test_demo_page_runs_its_script_and_lists_exactly_the_findings(chromium, demo
     assert dom.visible() == DEMO_FINDINGS
 
 
+@pytest.mark.slow
 def test_demo_page_has_three_inline_plots(chromium, demo_page, tmp_path):
     assert dump_dom(chromium, demo_page, tmp_path).plots == 3
 
 
+@pytest.mark.slow
 def test_fragment_filters_the_table_by_verdict(chromium, demo_page, tmp_path):
     dom = dump_dom(chromium, demo_page, tmp_path, fragment="#verdict=tied")
     assert "data-script-errors" not in dom.body
     assert set(dom.rows) == DEMO_FINDINGS and dom.visible() == TIED
 
 
+@pytest.mark.slow
 def test_fragment_filters_the_table_by_text(chromium, demo_page, tmp_path):
     dom = dump_dom(chromium, demo_page, tmp_path, fragment="#q=2631")
     assert dom.visible() == {2631}
@@ -124,6 +130,7 @@ def test_page_is_small_enough_to_mail(demo_page):
     assert demo_page.stat().st_size < 1_500_000
 
 
+@pytest.mark.slow
 def test_screenshot_shows_a_rendered_page(chromium, demo_page, tmp_path):
     from matplotlib.image import imread
 
@@ -136,6 +143,7 @@ def test_screenshot_shows_a_rendered_page(chromium, demo_page, tmp_path):
     assert pixels[..., :3].std() > 0.05  # not a blank or single-colour page
 
 
+@pytest.mark.slow
 def test_ceiling_audit_adds_the_ceiling_plot(chromium, tmp_path):
     pytest.importorskip("matplotlib")
     page = tmp_path / "c.html"
@@ -256,6 +264,46 @@ def test_projection_matches_an_svd_of_the_centred_rows(monkeypatch):
     assert np.allclose(np.abs(geometry.projection), np.abs(expected), atol=1e-8)  # directions up to sign
     assert np.allclose(geometry.explained, singular[:2] ** 2 / (singular ** 2).sum())
     assert np.allclose(geometry.norms, np.linalg.norm(weight.astype(np.float64), axis=1))
+
+
+def footer_commands(page: str) -> list[list[str]]:
+    """The footer's commands, as the words a shell passes them."""
+    return [shlex.split(unescape(line)) for line in re.findall(r'<code class="command">(.*?)</code>', page)]
+
+
+@pytest.mark.slow
+def test_footer_commands_remake_this_page_and_recheck_its_certificates(tmp_path):
+    """Run as printed, the footer's audit command writes this very page and certificates file again, and its
+    audit-verify command re-checks them (a path with a space: the words are quoted for a shell)."""
+    pytest.importorskip("matplotlib")
+    page, certs = tmp_path / "audit page.html", tmp_path / "certs.json"
+    done = audit_html(page, DEMO, "--tokens", "4000-4004", "--certificates", certs)
+    assert done.returncode == 1, done.stderr
+    commands = footer_commands(page.read_text(encoding="utf-8"))
+    head = [str(DEMO), "--weight", "weight", "--bias", "none"]
+    assert commands == [["audit", *head, "--tokens", "4000-4004", "--certificates", str(certs),
+                         "--format", "html", "--output", str(page)],
+                        ["audit-verify", str(certs), *head]]
+    page.unlink()
+    certs.unlink()
+    again = subprocess.run([sys.executable, "-m", "auditor", *commands[0][1:], "--quiet"], capture_output=True,
+                           text=True, cwd=tmp_path)
+    assert again.returncode == 1, again.stderr
+    assert footer_commands(page.read_text(encoding="utf-8")) == commands
+    check = subprocess.run([sys.executable, "-m", "auditor.cli.verify", *commands[1][1:]], capture_output=True,
+                           text=True, cwd=tmp_path)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_footer_of_a_page_on_stdout_writes_it_there_and_keeps_the_certificates_it_checks():
+    pytest.importorskip("matplotlib")
+    done = subprocess.run([sys.executable, "-m", "auditor", str(DEMO), "--tokens", "4004", "--format", "html",
+                           "--quiet"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1, done.stderr
+    head = [str(DEMO), "--weight", "weight", "--bias", "none"]
+    assert footer_commands(done.stdout) == [
+        ["audit", *head, "--tokens", "4004", "--certificates", "certificates.json", "--format", "html"],
+        ["audit-verify", "certificates.json", *head]]
 
 
 def test_missing_matplotlib_fails_before_the_audit_with_one_line(tmp_path):

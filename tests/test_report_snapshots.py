@@ -20,6 +20,7 @@ def _masked(text: str) -> str:
 
 
 @pytest.mark.parametrize("form", ["text", "markdown", "json"])
+@pytest.mark.slow
 def test_demo_report_is_unchanged(form, tmp_path):
     out = tmp_path / f"report.{form}"
     done = subprocess.run([sys.executable, "-m", "auditor", "fixtures/resized_demo.safetensors", "--format", form,

@@ -135,6 +135,7 @@ def sharded_head(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_shards_merge_into_the_whole_report(sharded_head, tmp_path):
     whole = json.loads(_run(sharded_head, "--format", "json", "--quiet").stdout)
     parts = []

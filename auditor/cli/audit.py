@@ -24,7 +24,7 @@ from auditor.distributed import DEFAULT_TIMEOUT_S, Launch, run_on_ranks
 from auditor.domain import Norm, parse_domain
 from auditor.errors import EXIT_CLEAN, EXIT_FINDINGS, InputError
 from auditor.formats import DOCUMENT_FORMATS, FORMATS
-from auditor.formats.html import require_matplotlib
+from auditor.formats.html import render as render_html, require_matplotlib
 from auditor.gate import DEFAULT_FAIL_ON, GATE_CLASSES, AllowList, parse_fail_on, run_gate
 from auditor.loader import list_tensors, load_head
 
@@ -53,8 +53,11 @@ examples:
   audit-merge part1.json part2.json part3.json part4.json --format markdown
   # a resumable audit: rerun the same command after a stop and the decided blocks are kept
   audit model/ --work-dir audit-work/ --format json --output report.json
-  # over 8 processes on one node (each on its own GPU when there are GPUs), one report
-  torchrun --nproc-per-node 8 -m auditor model/ --format json --output report.json
+  # over 8 processes on one node (each on its own GPU when there are GPUs), one report; torchrun turns a
+  # rank's exit code 1 into its ChildFailedError traceback: pass --fail-on none, then gate on the
+  # report's findings (the default --fail-on: every class but tied)
+  torchrun --nproc-per-node 8 -m auditor model/ --format json --output report.json --fail-on none
+  python -c "import json, sys; r = json.load(open('report.json')); sys.exit(any(set(f['classes']) - {'tied'} and not f['allowed'] for f in r['findings']))"
 """
 
 
@@ -210,7 +213,10 @@ def run(args: argparse.Namespace) -> int:
                                threads=args.threads)
         result = run_gate(head, report, fail_on, allow, load_seconds, args.ceiling, baseline)
         result.shard = shard
-        warnings, rendered, exit_code = result.warnings, FORMATS[args.format](result), result.exit_code
+        # the page's footer gives the command that reproduces it, which names the files this run writes
+        rendered = (render_html(result, output=args.output, certificates=args.certificates) if args.format == "html"
+                    else FORMATS[args.format](result))
+        warnings, exit_code = result.warnings, result.exit_code
         certificates = certificates_document(head, report) if args.certificates else None
     for warning in warnings:
         print(f"audit: warning: {warning}", file=sys.stderr)

@@ -210,15 +210,22 @@ def _plots(plots) -> str:
     return f'<section id="plots"><h2>Plots</h2>{figures}</section>'
 
 
-def reproduce_command(result: GateResult) -> str:
-    """The ``audit`` command that makes this report again (the allow-list's path is not recorded)."""
+def reproduce_command(result: GateResult, output: Path | None = None, certificates: Path | None = None) -> str:
+    """The commands that make this report again and re-check its certificates, one per line.
+
+    The ``audit`` command writes the page to ``output`` (stdout when None), as the run did, and the certificates
+    to ``certificates`` (``certificates.json`` when the run kept none: the report is the same either way); the
+    ``audit-verify`` command re-checks that file against the same head. The allow-list's path is not recorded.
+    """
     head, report = result.head, result.report
-    words = ["audit", str(head.path) if head.path else "PATH", "--weight", head.weight_name,
-             "--bias", head.bias_name or "none"]
+    path = str(head.path) if head.path else "PATH"
+    tensors = ["--weight", head.weight_name, "--bias", head.bias_name or "none"]
     domain = str(report.domain)
+    unit_offset = domain == "norm" and head.final_norm is not None and head.final_norm.unit_offset
+    words = ["audit", path, *tensors]
     if domain != "unbounded":
         words += ["--domain", domain]
-    if domain == "norm" and head.final_norm is not None and head.final_norm.unit_offset:
+    if unit_offset:
         words.append("--norm-unit-offset")
     if result.ceiling is not None:
         words += ["--ceiling", f"{result.ceiling:g}"]
@@ -234,13 +241,21 @@ def reproduce_command(result: GateResult) -> str:
         words += ["--allow", "ALLOW-LIST"]
     if result.baseline is not None:
         words += ["--baseline", str(result.baseline.get("path"))]
-    return shlex.join(words + ["--format", "html", "--output", "report.html"])
+    kept = str(certificates) if certificates is not None else "certificates.json"
+    words += ["--certificates", kept, "--format", "html"]
+    if output is not None:
+        words += ["--output", str(output)]
+    check = ["audit-verify", kept, path, *tensors] + (["--norm-unit-offset"] if unit_offset else [])
+    return shlex.join(words) + "\n" + shlex.join(check)
 
 
 def _footer(command: str) -> str:
-    return ("<footer><p>auditor " + _e(__version__) + ". Every verdict carries a certificate; "
-            "add <code>--certificates FILE</code> to keep them and re-check with <code>auditor.verify</code>.</p>"
-            f"<p>Reproduce: <code class=\"command\">{_e(command)}</code></p></footer>")
+    """``command``: shell commands, one per line (reproduce_command's)."""
+    lines = "<br>".join(f'<code class="command">{_e(line)}</code>' for line in command.splitlines())
+    return ("<footer><p>auditor " + _e(__version__) + ". Every verdict carries a certificate, which "
+            "<code>audit-verify</code> re-checks in plain float64 arithmetic, with no code of the engine that "
+            "decided it.</p>"
+            f"<p>Reproduce this report and re-check every certificate:<br>{lines}</p></footer>")
 
 
 # -- the page -----------------------------------------------------------------------------------
@@ -354,11 +369,12 @@ _SCRIPT = """
 """
 
 
-def render(result: GateResult) -> str:
-    """The whole report as one HTML5 document. Raises InputError when matplotlib is missing."""
+def render(result: GateResult, output: Path | None = None, certificates: Path | None = None) -> str:
+    """The whole report as one HTML5 document, whose footer names the files the run writes (``output``: the page,
+    stdout when None; ``certificates``). Raises InputError when matplotlib is missing."""
     require_matplotlib()
     doc = document(result)
-    return render_page(doc, draw_plots(doc, plot_data(result)), reproduce_command(result))
+    return render_page(doc, draw_plots(doc, plot_data(result)), reproduce_command(result, output, certificates))
 
 
 def render_page(doc: dict, plots: list, command: str) -> str:
