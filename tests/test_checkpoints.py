@@ -93,9 +93,9 @@ def test_resized_findings_are_explained_and_certified_on_at_most_d_plus_one_rows
     by_id = {f["id"]: f for f in report["findings"]}
     for k in ADDED:
         assert by_id[k]["kind"] == "mean"
-        assert by_id[k]["explanation"].startswith("at the mean of all rows (mean-initialised)")
-    assert by_id[COPY]["explanation"].startswith(f"copy of row {COPY_OF} ")
-    assert by_id[COPY_OF]["explanation"].startswith(f"copied as row {COPY}: they always tie")
+        assert "at the mean of all rows (mean-initialised)" in by_id[k]["explanation"]  # after the plain words
+    assert f"copy of row {COPY_OF} " in by_id[COPY]["explanation"]
+    assert f"copied as row {COPY}: they always tie" in by_id[COPY_OF]["explanation"]
     assert (f"4 rows at the mean of all rows: {ADDED[0]}–{ADDED[-1]}, typical of a vocabulary resized with "
             "mean initialisation") in report["summaries"]
     convex = [t["convex"] for t in certificates["tokens"] if t.get("convex")]
@@ -108,7 +108,8 @@ def test_baseline_of_the_base_model_fails_only_on_the_new_rows(resized, base_rep
     done = audit_cli(folder, "--format", "json", "--quiet", "--baseline", base_report)
     assert done.returncode == 1, done.stderr
     report = json.loads(done.stdout)
-    assert {f["id"] for f in report["findings"] if f["failing"]} == {*ADDED, COPY_OF, COPY}
+    # greedy decoding emits the lower id of the copied pair, never the copy
+    assert {f["id"] for f in report["findings"] if f["failing"]} == {*ADDED, COPY}
     assert {f["baseline"] for f in report["findings"]} == {"new"}
 
 
