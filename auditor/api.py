@@ -49,7 +49,10 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     ``frank_wolfe_iterations``, ``newton_iterations`` and ``lp_rounds`` bound
     the work of those stages (0 skips one; the dual Frank-Wolfe of biased heads
     and bounded domains runs four times ``frank_wolfe_iterations``, most of them
-    on a working set of rivals).
+    on a working set of rivals). ``lp_rounds`` is each token's first allowance of
+    constraint-generation rounds in the exact LP; the rounds decided tokens leave
+    unused, and four tokens' worth more, go to the tokens still converging, so
+    the stage runs at most ``lp_rounds`` (tokens + 4) rounds in all.
 
     ``threads`` caps the CPU threads torch uses during the call (the previous
     setting is restored afterwards); None takes OMP_NUM_THREADS when it is set,

@@ -16,6 +16,10 @@ over A (their sum is 1 because t is free), and they certify k over the whole
 vocabulary. If it is positive, the optimal z is checked against every row; the
 rows it loses to join A and the program is solved again: a few small programs
 cost far less than one over all rows (the spec gives the measurements).
+
+The rounds are one budget for all the tokens left (``lp_decide_all``): how many a
+token needs depends on how far its first rivals are from the rows that decide it,
+so the rounds quick tokens leave go to the slow ones while they still find new rivals.
 """
 
 from __future__ import annotations
@@ -203,42 +207,120 @@ def _try_witness(head: EngineHead, k: int, z: np.ndarray, outcome: LpOutcome) ->
     return bool(check.certified[0])
 
 
-def lp_decide(head: EngineHead, k: int, seed_rivals: np.ndarray, max_rounds: int = 30,
-              add_per_round: int | None = None) -> LpOutcome:
-    """Decide token k by constraint generation, starting from ``seed_rivals``."""
+@dataclass
+class LpSearch:
+    """One token's constraint generation, resumable: the rivals so far and the best found."""
+
+    k: int
+    rivals: np.ndarray
+    add: int  # rivals added per round
+    outcome: LpOutcome
+    rounds: int = 0  # rounds run so far
+    open: bool = True  # False once decided, or once no round can change the answer (no new rival, solver failure)
+
+
+def start_search(head: EngineHead, k: int, seed_rivals: np.ndarray, add_per_round: int | None = None) -> LpSearch:
+    """Token k's search, its first rivals from ``seed_rivals`` (the most threatening rows when there are none)."""
     add = add_per_round or max(32, head.d // 2)
-    outcome = LpOutcome()
     rivals = np.unique(seed_rivals[(seed_rivals != k) & (seed_rivals >= 0)])
     rivals = rivals[head.representative[rivals] == rivals]
     if rivals.size == 0:
         rivals = _top_rivals(head, k, head.rows([k])[0] - head.centre.cpu().numpy(), set(), add)
+    return LpSearch(k, rivals, add, LpOutcome())
+
+
+def rounds_to_exhaust(head: EngineHead, search: LpSearch) -> int:
+    """Rounds after which the rivals are every competitor, so the program is the exact one over all rows."""
+    return -(-max(head.n_competitors - 1 - search.rivals.size, 0) // search.add) + 1
+
+
+def run_rounds(head: EngineHead, search: LpSearch, rounds: int) -> int:
+    """Run up to ``rounds`` rounds of token k's constraint generation; returns the rounds used."""
+    k, outcome = search.k, search.outcome
     w_k = head.rows([k])[0]
-    for _ in range(max_rounds):
-        solved = _solve(head, k, rivals)
+    used = 0
+    while used < rounds and search.open:
+        used += 1
+        search.rounds += 1
+        solved = _solve(head, k, search.rivals)
         if solved is None:
+            search.open = False
             break
         t, z, s, alpha = solved
         if head.bias is not None and not head.domain.bounded and s > 0:
             z = z / s
         if _try_witness(head, k, z, outcome):
-            return outcome
+            search.open = False
+            break
         if alpha.sum() > 0:
-            indices, weights, convex = polish(head, k, rivals, alpha)
+            indices, weights, convex = polish(head, k, search.rivals, alpha)
             if convex.accepted or convex.residual < outcome.residual:
                 outcome.indices, outcome.weights = indices, weights
                 outcome.residual, outcome.bias_gap = convex.residual, convex.bias_gap
             if convex.accepted:
                 outcome.verdict = "unargmaxable"
-                return outcome
+                search.open = False
+                break
             # The polished weights' residual w_k - sum alpha_i w_i is the normal of the nearest
             # face found so far: an exact direction where the solver's z is only accurate to its tolerance.
             if _try_witness(head, k, w_k - weights @ head.rows(indices), outcome):
-                return outcome
-        new = _top_rivals(head, k, z, set(rivals.tolist()), add)
-        if new.size == 0:
+                search.open = False
+                break
+        new = _top_rivals(head, k, z, set(search.rivals.tolist()), search.add)
+        if new.size == 0:  # the program already holds every row that beats its optimum: no round can add one
+            search.open = False
             break
-        rivals = np.union1d(rivals, new)
-    return outcome
+        search.rivals = np.union1d(search.rivals, new)
+    return used
+
+
+def lp_decide(head: EngineHead, k: int, seed_rivals: np.ndarray, max_rounds: int = 30,
+              add_per_round: int | None = None) -> LpOutcome:
+    """Decide token k by constraint generation, starting from ``seed_rivals``, in at most ``max_rounds`` rounds."""
+    search = start_search(head, k, seed_rivals, add_per_round)
+    run_rounds(head, search, max_rounds)
+    return search.outcome
+
+
+def lp_decide_all(head: EngineHead, tokens: list[int], seeds: dict[int, np.ndarray], rounds: int,
+                  done=None) -> dict[int, LpOutcome]:
+    """Decide ``tokens`` by constraint generation under one budget of rounds that adapts to what is left.
+
+    Each token first gets ``rounds`` rounds. The rounds a token leaves unused when it
+    is decided early, together with a reserve of ``_SPARE_TOKENS`` tokens' worth, form
+    a pool, shared evenly among the tokens still converging (their last round found new
+    rivals). No token gets more than it needs to hold every row, nor more than
+    ``_MOST_ALLOWANCES`` times ``rounds`` in all (each round's program grows with its
+    rivals). So a few slow tokens get many rounds, many slow tokens keep the first
+    allowance, and the stage runs at most ``rounds`` (len(tokens) + ``_SPARE_TOKENS``)
+    rounds. ``done(k)`` is called as each token leaves the stage.
+    """
+    searches = {k: start_search(head, k, seeds[k]) for k in tokens}
+    pool = rounds * _SPARE_TOKENS if rounds > 0 else 0
+    most = rounds * _MOST_ALLOWANCES
+
+    def room(search: LpSearch) -> int:
+        return min(pool, most - search.rounds, rounds_to_exhaust(head, search)) if search.open else 0
+
+    for search in searches.values():
+        pool += rounds - run_rounds(head, search, rounds)
+    waiting = list(searches.values())
+    while True:
+        leaving = [search.k for search in waiting if room(search) == 0]
+        waiting = [search for search in waiting if room(search) > 0]
+        for k in leaving:
+            if done is not None:
+                done(k)
+        if not waiting:
+            break
+        share = max(1, pool // len(waiting))
+        for search in waiting:
+            pool -= run_rounds(head, search, min(share, room(search)))
+    return {k: search.outcome for k, search in searches.items()}
+
+
+_SPARE_TOKENS = 4  # the pool beyond the first allowances, in tokens' worth of rounds
+_MOST_ALLOWANCES = 8  # the most rounds one token gets, in first allowances
 
 
 def _top_rivals(head: EngineHead, k: int, z: np.ndarray, exclude: set, count: int) -> np.ndarray:

@@ -8,7 +8,8 @@
              the norm domain included, and boxes with the l1 norm, with a bias; the
              unbounded domain with a bias on a ladder of large balls)
 5. newton    maximum-entropy convex combinations by Newton's method (no bias)
-6. lp        constraint generation with cvxpy for whatever is left
+6. lp        constraint generation with cvxpy for whatever is left, under one budget
+             of rounds that the tokens still converging share
 7. whatever no stage proved is ``inconclusive``, with the bounds found
 8. sparsify  every convex certificate on more than D rows is reduced to at
              most D (Carathéodory; D = d + 1, d + 2 with a bias) and checked again
@@ -34,7 +35,7 @@ from auditor.engine.decisions import (ARGMAXABLE, INCONCLUSIVE, STAGES, UNDECIDE
 from auditor.engine.frank_wolfe import frank_wolfe
 from auditor.engine.head import EngineHead, build_engine_head, storage_dtype
 from auditor.engine.interior import interior_certificates
-from auditor.engine.lp import lp_decide
+from auditor.engine.lp import lp_decide_all
 from auditor.engine.normal_form import normal_form, to_given_units
 from auditor.engine.screen import screen
 from auditor.engine.settle import settle_dual, settle_frank_wolfe, sparsify
@@ -48,7 +49,7 @@ _DUAL_FACTOR = 4
 class EngineOptions:
     frank_wolfe_iterations: int = 100
     newton_iterations: int = 40
-    lp_rounds: int = 30
+    lp_rounds: int = 30  # each token's first allowance; lp.lp_decide_all shares what is left
     residual_tol: float = 1e-10
     defer_flat: bool = False  # bounded domains: leave tokens whose dual value is zero up to the tolerance
     #                           inconclusive rather than solve an LP (the norm domain settles them in R^d)
@@ -197,8 +198,14 @@ def _frank_wolfe(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.
 def _homogenising_radii(head: EngineHead) -> list[float]:
     """Balls for the unbounded domain with a bias: from the radius at which the rows' typical
     spread makes logit differences of the bias's size, up by 64 twice (witnesses found in a ball
-    hold in R^d; the last ball's weights are nearly the exact x = 0 certificate)."""
-    base = max(head.max_abs_bias, 1e-3 * head.typical_spread) / max(head.typical_spread, 1e-300)
+    hold in R^d; the last ball's weights are nearly the exact x = 0 certificate).
+
+    Rows that are all one point (zero spread) make logit differences that do not depend on z:
+    the bias alone decides, every ball gives the answer of R^d, and the unit ball is taken.
+    """
+    if head.typical_spread == 0:
+        return [1.0]
+    base = max(head.max_abs_bias, 1e-3 * head.typical_spread) / head.typical_spread
     return [4 * base, 256 * base, 16384 * base]
 
 
@@ -223,20 +230,23 @@ def _defer_flat(head: EngineHead, out: Decisions, left: np.ndarray, leftovers: _
 
 def _lp(head: EngineHead, out: Decisions, left: np.ndarray, options: EngineOptions, progress: bool,
         leftovers: _Leftovers) -> None:
-    """The exact stage for every token left; what it cannot prove is inconclusive, with its bounds."""
+    """The exact stage for every token left, under one budget of rounds (lp.lp_decide_all); what it
+    cannot prove is inconclusive, with its bounds."""
     lower, upper = leftovers.lower, leftovers.upper
-    with _bar(len(left), "exact LP", progress) as bar:
-        for k in left.tolist():
-            result = lp_decide(head, k, np.concatenate(leftovers.seeds[k]), max_rounds=options.lp_rounds)
-            if result.verdict == "argmaxable":
-                set_witness(out, k, result.witness, result.margin, result.runner_up, "lp")
-            elif result.verdict == "unargmaxable":
-                set_convex(out, k, result.indices, result.weights, result.residual, result.bias_gap, "lp")
-            else:
-                out.verdict[k] = INCONCLUSIVE
-                out.bounds[k] = (max(result.margin, lower.get(k, -np.inf)),
-                                 min(result.residual, upper.get(k, np.inf)) if _upper_bounds_margin(head) else np.inf)
-            bar.update(1)
+    tokens = left.tolist()
+    with _bar(len(tokens), "exact LP", progress) as bar:
+        results = lp_decide_all(head, tokens, {k: np.concatenate(leftovers.seeds[k]) for k in tokens},
+                                options.lp_rounds, done=lambda k: bar.update(1))
+    for k in tokens:
+        result = results[k]
+        if result.verdict == "argmaxable":
+            set_witness(out, k, result.witness, result.margin, result.runner_up, "lp")
+        elif result.verdict == "unargmaxable":
+            set_convex(out, k, result.indices, result.weights, result.residual, result.bias_gap, "lp")
+        else:
+            out.verdict[k] = INCONCLUSIVE
+            out.bounds[k] = (max(result.margin, lower.get(k, -np.inf)),
+                             min(result.residual, upper.get(k, np.inf)) if _upper_bounds_margin(head) else np.inf)
 
 
 def _upper_bounds_margin(head: EngineHead) -> bool:
