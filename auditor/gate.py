@@ -10,7 +10,8 @@ from pathlib import Path
 from auditor.baseline import Baseline
 from auditor.errors import EXIT_CLEAN, EXIT_FINDINGS, InputError
 from auditor.explain import explain, next_steps
-from auditor.findings import DEFAULT_FAIL_ON, FINDING_VERDICTS, GATE_CLASSES, Finding, collect_findings
+from auditor.findings import (DEFAULT_FAIL_ON, FINDING_VERDICTS, GATE_CLASSES, Finding,  # noqa: F401 (the gate's names)
+                              collect_findings)
 from auditor.head import Head
 from auditor.report import AuditReport
 

@@ -1,41 +1,9 @@
-"""The LP stage's budget of rounds adapts to what is left, and the whole stage stays bounded.
-
-The reported head: 3000 x 16 float32 with bias 0.25 N(0, 1), unbounded domain, where a
-token an LP settles in seconds was left inconclusive by a fixed 30 rounds per token. The
-oracle for its verdicts is a plain LP over all rows (HiGHS, tests/oracles.py).
-"""
+"""The LP stage's budget of rounds adapts to what is left, and the whole stage stays bounded."""
 
 import numpy as np
-import pytest
 
 import auditor
 import auditor.engine.lp as lp
-from oracles import lp_margin, witness_wins
-
-SEED = 0  # the head of the reported shape and distribution (this seed settles on main at 5f27ef9 too)
-
-
-def _biased_head(seed: int = SEED):
-    rng = np.random.default_rng(seed)
-    W = rng.standard_normal((3000, 16)).astype(np.float32)
-    b = (0.25 * rng.standard_normal(3000)).astype(np.float32)
-    return W, b
-
-
-@pytest.mark.slow
-def test_a_large_biased_head_leaves_nothing_inconclusive():
-    W, b = _biased_head()
-    report = auditor.audit(W, b, progress=False)
-    assert report.counts["inconclusive"] == 0
-    W64, b64 = W.astype(np.float64), b.astype(np.float64)
-    for k in report.ids("argmaxable"):
-        if report.tokens[k].stage == "lp":  # the LP's verdicts, against an LP over all rows
-            assert lp_margin(W64, b64, k)[0] > 0
-            assert witness_wins(W64, b64, k, report.tokens[k].witness)
-    for k in report.ids("unargmaxable"):
-        if report.tokens[k].stage == "lp":
-            assert lp_margin(W64, b64, k)[0] <= 1e-9
-    assert auditor.verify(report, W, b).ok
 
 
 def _counting_solves(monkeypatch) -> list[int]:
