@@ -98,6 +98,7 @@ def test_true_head_passes_in_python_from_the_file_and_from_its_json(demo_certifi
     assert auditor.verify(json.loads(demo_certificates.read_text()), weight).ok
 
 
+@pytest.mark.slow
 def test_formula_witnesses_resolve_to_the_audits_own_bits():
     weight = load_file(str(DEMO))["weight"]
     report = auditor.audit(weight, progress=False)
@@ -384,6 +385,7 @@ def small_head(rng, n=120, d=5):
     return rows.astype(np.float32), (0.1 * rng.standard_normal(n)).astype(np.float32)
 
 
+@pytest.mark.slow
 def test_ball_domain_certificates_hold_and_a_tampered_witness_fails(tmp_path):
     weight, bias = small_head(np.random.default_rng(8))
     head = tmp_path / "head.safetensors"

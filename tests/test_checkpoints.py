@@ -119,6 +119,7 @@ def test_baseline_of_its_own_report_passes(resized, resized_report):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_allow_list_of_ids_and_token_strings_passes_the_gate(resized, tmp_path, real_folder):
     folder, _ = resized
     token = json.loads(audit_cli(folder, "--format", "json", "--quiet", "--tokens", f"{COPY_OF}").stdout)
@@ -198,6 +199,7 @@ def _one_error_line(done):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_bad_checkpoints_give_one_line_and_exit_two(tmp_path):
     cut = tmp_path / "cut.safetensors"
     save_file({"weight": np.ones((50, 4), dtype=np.float32)}, str(cut))

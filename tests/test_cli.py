@@ -21,6 +21,7 @@ def run(*args):
     return subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_demo_head_findings_are_the_resized_rows_the_copy_and_nothing_else():
     done = run(FIXTURES / "resized_demo.safetensors", "--format", "json", "--quiet")
     assert done.returncode == 1
