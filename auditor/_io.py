@@ -61,9 +61,19 @@ def read_json_report(path: Path, label: str):
         raise InputError(f"{label}: not a JSON report ({error})") from None
 
 
+_solver_output_to_stderr = False
+
+
+def send_solver_output_to_stderr(enabled: bool = True) -> None:
+    """Where ``quiet_stdout`` sends a solver's own lines: to standard error (``--debug``) or nowhere."""
+    global _solver_output_to_stderr
+    _solver_output_to_stderr = enabled
+
+
 @contextlib.contextmanager
 def quiet_stdout():
-    """Send what native code prints to standard output (a solver's banner) to the null device inside the block.
+    """Send what native code prints to standard output (a solver's banner) to the null device inside the
+    block, or to standard error after ``send_solver_output_to_stderr()`` (``--debug``).
 
     Standard output carries the report (``--format json`` is piped into other tools), so nothing else may reach
     it; the redirection is of file descriptor 1 itself, which C and C++ libraries write to directly.
@@ -76,8 +86,13 @@ def quiet_stdout():
         yield
         return
     try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 1)
+        if _solver_output_to_stderr:
+            if sys.stderr is not None:
+                sys.stderr.flush()
+            os.dup2(2, 1)
+        else:
+            with open(os.devnull, "wb") as null:
+                os.dup2(null.fileno(), 1)
         yield
     finally:
         if sys.stdout is not None:

@@ -101,13 +101,14 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
         # Tokens whose dual value is zero up to rounding (rows inside the hull: the reduced bias W beta is
         # linear in the rows, so their bias gap is too) are settled in R^d first, the LP only if that fails.
         decisions = decide(reduced.weight, reduced.bias, rest, Ball(reduced.radius),
-                           dataclasses.replace(options, defer_flat=True), progress, row_error,
+                           dataclasses.replace(options, defer_flat=True, decide_at_tolerance=False), progress, row_error,
                            reduced.bias_error, representative=ties)
         clock = time.perf_counter()
         _hull_fallback(decisions, w64, b64, options, norm_map.reach)
         left = np.nonzero(decisions.verdict == INCONCLUSIVE)[0]
         if left.size:
-            _take(decisions, decide(reduced.weight, reduced.bias, left, Ball(reduced.radius), options, progress,
+            _take(decisions, decide(reduced.weight, reduced.bias, left, Ball(reduced.radius),
+                                    dataclasses.replace(options, decide_at_tolerance=False), progress,
                                     row_error, reduced.bias_error, representative=ties), left)
         decisions.timings["hull_fallback"] = time.perf_counter() - clock
         del reduced

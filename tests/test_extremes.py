@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import auditor
-from oracles import lp_margin, qhull_argmaxable
+from oracles import qhull_argmaxable
 
 
 @pytest.mark.parametrize("scale", [2.0**-537, 1e-165, 1e160, 2.0**600])
@@ -34,15 +34,37 @@ def test_three_huge_rows_in_three_dimensions_are_all_argmaxable():
     assert auditor.audit(W, progress=False).counts["argmaxable"] == 3
 
 
-@pytest.mark.parametrize("domain", ["unbounded", "box:1", "ball:1"])
-def test_a_positive_bias_gap_is_never_an_unargmaxable_certificate(domain):
-    # token 4 is exactly the average of rows 0 and 1, but its bias is 2^-34 above theirs: it can win
-    W = np.array([[0.25, 0.75], [0.25, -1.25], [1, 0.5], [-0.5, 0.5], [0.25, -0.25]])
-    b = np.array([0, 0.5, -0.75, -0.25, 0.25 + 2.0**-34])
-    token = auditor.audit(W, b, domain=domain, progress=False).tokens[4]
-    assert token.verdict in ("argmaxable", "inconclusive")
-    if token.verdict == "argmaxable":
-        assert auditor.Unbounded().contains(token.witness)
+EDGE = np.array([[0.25, 0.75], [0.25, -1.25], [1, 0.5], [-0.5, 0.5], [0.25, -0.25]])
+
+
+def edge_midpoint_bias(gap: float) -> np.ndarray:
+    """Token 4 is exactly the average of rows 0 and 1, its bias ``gap`` above theirs: it leads by exactly
+    ``gap`` at z = (0, 1/4) and by no more anywhere (one of l_4 - l_0 = 1/4 - z_2 + gap and
+    l_4 - l_1 = z_2 - 1/4 + gap is at most gap)."""
+    return np.array([0, 0.5, -0.75, -0.25, 0.25 + gap])
+
+
+@pytest.mark.parametrize("domain, gap", [("unbounded", 2.0**-34), ("unbounded", 2.0**-24), ("box:1", 2.0**-24),
+                                         ("ball:1", 2.0**-24)])
+def test_a_positive_bias_gap_is_never_an_unargmaxable_certificate(domain, gap):
+    # unbounded: a lead of 2^-34 at |z| = 1/4 is 2^-32 |z|, above the tolerance (1e-10 of |w_4 - m| = 0.75);
+    # in every domain a lead of 2^-24 is far above the tolerance (times the reach), and is found
+    b = edge_midpoint_bias(gap)
+    report = auditor.audit(EDGE, b, domain=domain, progress=False)
+    assert report.tokens[4].verdict in (("argmaxable", "inconclusive") if gap < 2.0**-30 else ("argmaxable",))
+    assert auditor.verify(report, EDGE, b).ok
+
+
+@pytest.mark.parametrize("domain", ["box:1", "ball:1"])
+def test_a_lead_below_the_tolerance_times_the_reach_is_unargmaxable_and_says_so(domain):
+    # the best lead in D is 2^-34 (5.8e-11), under 1e-10 times the rows' spread times the reach: the
+    # certificate's dual value bounds that lead, and states a number at least as large
+    b = edge_midpoint_bias(2.0**-34)
+    report = auditor.audit(EDGE, b, domain=domain, progress=False)
+    token = report.tokens[4]
+    assert token.verdict == "unargmaxable"
+    assert 2.0**-34 <= token.residual <= report.tolerances["residual_tol"] * 0.75 * math.sqrt(2)
+    assert auditor.verify(report, EDGE, b).ok
 
 
 def test_one_huge_row_does_not_loosen_the_tolerance_for_the_others():

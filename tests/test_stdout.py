@@ -5,13 +5,13 @@ standard output; the probability ceilings' fallback runs Clarabel. Their output 
 """
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+from report_masks import masked
 
 from auditor.domain import Ball
 from auditor.engine.ceiling.fallback import cvxpy_point
@@ -32,11 +32,6 @@ def test_json_on_stdout_parses_when_the_lp_stage_runs():
     assert report["summary"]
 
 
-def masked(text: str) -> str:
-    """Wall-clock times are the only part of a report that differs from one run to the next."""
-    return re.sub(r"\d+\.\d+ s \(load \d+\.\d+ s, audit \d+\.\d+ s\)", "T s (load T s, audit T s)", text)
-
-
 def test_markdown_on_stdout_is_the_report_alone_with_progress_shown():
     golden = (ROOT / "tests" / "golden" / "resized_demo.markdown").read_text(encoding="utf-8")
     shown = audit_stdout("--format", "markdown", "--threads", "2")  # progress on: it goes to stderr
@@ -50,6 +45,24 @@ def test_quiet_stdout_silences_what_native_code_writes_to_descriptor_1():
             "print('report')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout == "report\n", done.stdout
+
+
+def test_with_debug_the_solvers_own_lines_go_to_stderr_and_stdout_stays_json():
+    done = subprocess.run([sys.executable, "-m", "auditor", DEMO, "--format", "json", "--quiet", "--debug"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    assert report["timing"]["lp_s"] > 0
+    assert "HiGHS" in done.stderr  # the banner the LP solver prints on its standard output
+
+
+def test_send_solver_output_to_stderr_moves_descriptor_1_inside_the_block_only():
+    code = ("import os; from auditor._io import quiet_stdout, send_solver_output_to_stderr\n"
+            "send_solver_output_to_stderr()\n"
+            "with quiet_stdout():\n    os.write(1, b'banner')\n"
+            "print('report')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "report\n" and done.stderr == "banner", (done.stdout, done.stderr)
 
 
 def test_the_ceilings_interior_point_fallback_prints_nothing(capfd):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from auditor._io import send_solver_output_to_stderr
 from auditor._version import __version__
 from auditor.errors import EXIT_ERROR, AuditorError, InputError
 
@@ -37,7 +38,8 @@ def add_norm_unit_offset_option(parser: argparse.ArgumentParser, help_text: str)
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """--quiet, --debug and --version."""
     parser.add_argument("--quiet", action="store_true", help="no progress bars (they show only when stderr is a terminal)")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--debug", action="store_true",
+                        help="show tracebacks, and the LP solvers' own output on stderr")
     parser.add_argument("--version", action="version", version=f"auditor {__version__}")
 
 
@@ -58,7 +60,9 @@ def checkpoint_final_norm(head, path, needed_by: str, unit_offset: bool):
 
 def guarded(prog: str, run, args: argparse.Namespace) -> int:
     """``run(args)``, with every failure turned into one line on stderr and exit 2 (a traceback
-    only with --debug). Shared by the commands so that they fail alike."""
+    only with --debug, which also sends the solvers' own lines to stderr). Shared by the commands so that
+    they fail alike."""
+    send_solver_output_to_stderr(bool(getattr(args, "debug", False)))
     try:
         return run(args)
     except AuditorError as error:

@@ -89,14 +89,14 @@ def _check_block(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor, exa
         own_error = error[rows, k].clone()
         best, runner_up = (logits + error).max(dim=1)  # the rival's logit at its most favourable rounding
         margin = own - (best - error[rows, runner_up])
-        certified = proves_positive(own - best, own_error)
+        certified = proves_positive(own - best, own_error + head.witness_lead(k, norm_z))
     else:
         best, runner_up = logits.max(dim=1)
         margin = own - best
         own_bias = head.bias[k].abs() if head.bias is not None else 0.0
         tolerance = (head.error_factor * ((head.row_norm[k] + head.max_row_norm) * norm_z + own_bias
                                           + head.max_abs_bias) + head.underflow_floor + derived_error(head, k, norm_z))
-        certified = proves_positive(margin, tolerance)
+        certified = proves_positive(margin, tolerance + head.witness_lead(k, norm_z))
     certified = certified & inside_domain(head.domain, witnesses)
     return WitnessCheck(margin.cpu().numpy(), certified.cpu().numpy(), runner_up.cpu().numpy())
 
@@ -209,10 +209,17 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
         gap = computed + 2 * gamma(s + 3) * float(alpha @ differences.abs()) / total
         if bool(differences.any()):
             gap += head.underflow_floor
-        if computed <= 0 < gap and s <= EXACT_GAP_ROWS and head.bias_error is None:
-            gap = exact_gap(weights, head.bias[k], head.bias[index])  # zero up to rounding: settle its sign exactly
         if head.bias_error is not None:
             gap += float(alpha @ head.bias_error[index]) / total + float(head.bias_error[k])
+        if computed - (gap - computed) <= 0 < gap and s <= EXACT_GAP_ROWS:  # zero up to rounding: settle its sign exactly
+            if head.bias_error is None:
+                gap = exact_gap(weights, head.bias[k], head.bias[index])
+            elif head.exact_source is not None and head.exact_source[1] is not None:
+                # on the bias as given: the normal form's shift cancels in b_k - b_i and its power of two
+                # changes no sign, so an exact gap <= 0 there is one here, and 0 bounds it
+                given = head.exact_source[1]
+                if exact_gap(weights, float(given[k]), given[torch.as_tensor(indices, device=given.device)]) <= 0:
+                    gap = 0.0
     small_residual = math.isfinite(delta) and delta <= head.residual_tolerance(k)
     hull_certificate = small_residual and gap <= 0
 
@@ -221,7 +228,9 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
         return ConvexCheck(delta, gap, bool(hull_certificate))
     value = domain.support_bound(offset, error, delta) + gap
     source = head.exact_source
-    if (0 < value and not hull_certificate and s <= EXACT_GAP_ROWS and math.isfinite(value)
+    # a lead of at most the tolerance times the reach anywhere in D: the bounded side of witness_lead's rule
+    level = head.residual_tolerance(k) * domain.reach(head.d) if head.decide_at_tolerance else 0.0
+    if (level < value and not hull_certificate and s <= EXACT_GAP_ROWS and math.isfinite(value)
             and (source is not None or (head.row_error is None and head.bias_error is None))):
         # The dual value may be exactly 0 (a token that reaches a tie only on the domain's boundary, and
         # so never wins): when the computed value is zero within its rounding bound, settle the sign in
@@ -240,4 +249,4 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
                 b_k, b = (head.bias[k], head.bias[index]) if head.bias is not None else (0.0, None)
             if exact_dual_at_most_zero(given, beta, own, rows, b_k, b):
                 return ConvexCheck(0.0, gap, True)  # 0 bounds the exact value, which is <= 0
-    return ConvexCheck(value, gap, bool(math.isfinite(value) and (value <= 0 or hull_certificate)))
+    return ConvexCheck(value, gap, bool(math.isfinite(value) and (value <= level or hull_certificate)))

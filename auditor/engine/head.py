@@ -49,6 +49,7 @@ class EngineHead:
     # derived rows) but the normal form rounded them: a dual value zero up to rounding has its sign
     # settled on them in rational arithmetic (on the head's own rows when they carry no error)
     exact_source: tuple | None = None
+    decide_at_tolerance: bool = True  # see EngineOptions; witnesses then lead by more than witness_lead
 
     @property
     def max_row_error(self) -> float:
@@ -93,6 +94,20 @@ class EngineHead:
         auditor.verify applies, so that its own rounding cannot disagree.
         """
         return _STRICTER * self.residual_tol * max(float(self.spread_norm[k]), self.typical_spread)
+
+    def witness_lead(self, k: torch.Tensor, norm_z: torch.Tensor) -> torch.Tensor:
+        """How much more than 0 the exact margin of token k at a witness of norm ``norm_z`` must be for the
+        token to be argmaxable. Without it a token that leads by a hair would hold a witness and, within
+        residual_tolerance, convex weights too, and its verdict would depend on which the search met first.
+        The rule is one of the head, not the search: k is argmaxable iff it leads somewhere by more than
+        residual_tol * max(||w_k - m||, t) times ||z|| (unbounded) or times the domain's reach (bounded).
+        Unbounded, the largest such ratio is the least residual of convex weights with a bias gap <= 0;
+        bounded, the largest lead is the least dual value: the two certificates meet at one threshold
+        (convex weights are accepted a hair below it, residual_tolerance)."""
+        if not self.decide_at_tolerance:
+            return torch.zeros_like(norm_z)
+        scale = self.residual_tol * torch.clamp(self.spread_norm[k], min=self.typical_spread)
+        return scale * (self.domain.reach(self.d) if self.domain.bounded else norm_z)
 
     def exit_tolerance(self) -> float:
         """Residual below which Frank-Wolfe stops and hands its weights to the certificate check."""

@@ -53,6 +53,10 @@ class EngineOptions:
     residual_tol: float = 1e-10
     defer_flat: bool = False  # bounded domains: leave tokens whose dual value is zero up to the tolerance
     #                           inconclusive rather than solve an LP (the norm domain settles them in R^d)
+    # a witness must lead by more than the tolerance a convex certificate may rest on (head.witness_lead),
+    # so that no token can hold both and the verdict does not depend on which is found first; the
+    # norm domain's reduced head, whose convex certificates also come from the head as given, does not
+    decide_at_tolerance: bool = True
 
 
 @dataclass
@@ -81,6 +85,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     form = normal_form(weight, bias, domain, competitor, row_error, bias_error)
     head = build_engine_head(form.weight, form.bias, representative, form.domain, options.residual_tol,
                              form.row_error, form.bias_error)
+    head.decide_at_tolerance = options.decide_at_tolerance
     if row_error is None and bias_error is None and (form.row_error is not None or form.bias_error is not None):
         # exact numbers the normal form rounded (a translation, a shifted bias): kept for the rational
         # test of check_convex; otherwise the head's own rows are exact and no second copy stays alive

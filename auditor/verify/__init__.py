@@ -7,12 +7,16 @@ Nothing here reuses the engine: plain float64 numpy on the caller's weights.
   token whose group was decided.
 - A witness z of token k passes when, for every row i outside k's tie group,
   fl(l_k) - fl(l_i) exceeds the rounding bound gamma_{d+2} (|w_i|.|z| + |b_i|)
-  of both logits, plus an underflow term, and z lies in the domain.
+  of both logits, plus an underflow term, and z lies in the domain. A rival that this bound cannot
+  settle is re-decided on (w_k - w_i).z + (b_k - b_i) with the differences formed first, so that a
+  bias or a row offset the two share adds no error, and in rational arithmetic where that cannot tell.
 - Convex weights pass when they are non-negative, avoid k's group, sum to 1,
   and either (any domain) the residual ||w_k - sum alpha_i w_i|| is at most
   residual_tol * max(||w_k - m||, t) with a bias gap
-  b_k - sum alpha_i b_i <= 0, or (bounded domain) the dual value
-  s_D(w_k - sum alpha_i w_i) + b_k - sum alpha_i b_i is <= 0. Each quantity is
+  b_k - sum alpha_i b_i <= 0 (its sign in rational arithmetic when it is zero up to rounding), or
+  (bounded domain) the dual value
+  s_D(w_k - sum alpha_i w_i) + b_k - sum alpha_i b_i, which bounds k's lead anywhere in D, is at most
+  residual_tol * max(||w_k - m||, t) times the domain's reach (r for a ball, r sqrt(d) for a box). Each quantity is
   recomputed with its rounding error added on the unfavourable side. m is the
   coordinate-wise median of the distinct rows and t the 10th percentile of their
   non-zero distances from it: the rows' spread, which no common offset changes.
@@ -169,6 +173,8 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
         for j, k in enumerate(ks.tolist()):
             for other in group.get(k, ()):
                 wins[j, other] = True
+            if norm is None and not wins[j].all():  # a close call: the exactly normalised pairs decide
+                wins[j] = _wins_by_differences(*given, k, Z[j], wins[j])
         # an upper bound on the exact lead of k at z over every rival
         rivals = np.ones_like(wins)
         rivals[rows, ks] = False
@@ -227,6 +233,35 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
     result.tokens = len(checked)
     result.failed = sorted(set(result.failed))
     return result
+
+
+EXACT_RIVALS = 64  # most rivals per witness whose sign is settled in rational arithmetic
+
+
+def _wins_by_differences(W: np.ndarray, b: np.ndarray, k: int, z: np.ndarray, wins: np.ndarray) -> np.ndarray:
+    """``wins`` with the rivals it lacks re-decided on l_k - l_i = (w_k - w_i).z + (b_k - b_i), the
+    differences formed first: a bias or a row offset the two share cancels before any rounding, so the
+    bound is a fraction of |w_k - w_i|.|z| + |b_k - b_i|, not of the raw |w_i|.|z| + |b_i|. What that
+    cannot tell either way is settled in rational arithmetic (on the weights as given)."""
+    from fractions import Fraction
+
+    wins = wins.copy()
+    rivals = np.flatnonzero(~wins)
+    d = W.shape[1]
+    dw = W[k] - W[rivals]  # each entry within u of its exact value
+    db = b[k] - b[rivals]
+    lead = dw @ z + db
+    error = gamma(d + 3) * (np.abs(dw) @ np.abs(z) + np.abs(db)) * (1 + gamma(d + 3)) + 4 * (d + 4) * ETA
+    wins[rivals[lead > error]] = True
+    close = rivals[np.abs(lead) <= error][:EXACT_RIVALS]
+    if close.size:
+        point = [Fraction(float(v)) for v in z]
+        own = [Fraction(float(v)) for v in W[k]]
+        for i in close.tolist():
+            exact = sum((a - Fraction(float(v))) * p for a, v, p in zip(own, W[i], point))
+            if exact + Fraction(float(b[k])) - Fraction(float(b[i])) > 0:
+                wins[i] = True
+    return wins
 
 
 def _tied(W: np.ndarray, b: np.ndarray, k: int, j: int, norm) -> bool:
@@ -296,7 +331,7 @@ def _convex_failure(domain, W, b, token, group: set, tol: float, spread, exact: 
     if np.any(bias_differences):  # as the engine: products of zeros cannot underflow
         computed = float(beta @ bias_differences)
         gap = computed + 2 * gamma(s + 3) * float(beta @ np.abs(bias_differences)) + 4 * ETA
-        if computed <= 0 < gap and s <= 64:  # zero up to rounding: its sign in rational arithmetic
+        if computed - (gap - computed) <= 0 < gap and s <= 64:  # zero up to rounding: settled exactly
             exact = exactly(alpha, W[k][:0], W[idx][:, :0], b[k], b[idx])[1]
             gap = -1.0 if exact < 0 else (0.0 if exact == 0 else gap)
     hull = residual <= tol * max(r_k, typical) and gap <= 0
@@ -308,7 +343,7 @@ def _convex_failure(domain, W, b, token, group: set, tol: float, spread, exact: 
             support = domain.radius * residual
         else:
             support = domain.radius * (float(np.abs(offset).sum()) * (1 + gamma(d)) + math.sqrt(d) * slack)
-        if support + gap <= 0:
+        if support + gap <= tol * max(r_k, typical) * domain.reach(d):  # a lead of at most that, anywhere in D
             return None
         size = float(safe_norm(offset)) if isinstance(domain, Ball) else float(np.abs(offset).sum())
         computed = domain.radius * size + float(beta @ bias_differences)
