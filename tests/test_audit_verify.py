@@ -80,6 +80,7 @@ def tampered(source: Path, target: Path, edit) -> Path:
 # -- the true head and a moved row -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_true_head_passes_on_the_command_line(demo_certificates):
     done = verify_cli(demo_certificates, DEMO)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -109,6 +110,7 @@ def test_formula_witnesses_resolve_to_the_audits_own_bits():
         assert (ours is None and theirs is None) or np.array_equal(ours, theirs), k
 
 
+@pytest.mark.slow
 def test_a_flagged_row_moved_out_of_the_hull_fails_with_exactly_its_id(demo_certificates, tmp_path):
     moved = tmp_path / "moved.safetensors"
     save_file({"weight": moved_out_of_hull(load_file(str(DEMO))["weight"], 4000)}, str(moved))
@@ -121,6 +123,7 @@ def test_a_flagged_row_moved_out_of_the_hull_fails_with_exactly_its_id(demo_cert
 # -- tampered certificates ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_witness_formula_with_its_scale_negated_fails(demo_certificates, tmp_path):
     document = json.loads(demo_certificates.read_text())
     k = next(t["id"] for t in document["tokens"] if isinstance(t.get("witness"), dict))
@@ -133,6 +136,7 @@ def test_a_witness_formula_with_its_scale_negated_fails(demo_certificates, tmp_p
     assert "witness" in done.stdout
 
 
+@pytest.mark.slow
 def test_a_witness_list_copied_from_another_token_fails(demo_certificates, tmp_path):
     document = json.loads(demo_certificates.read_text())
     listed = [t for t in document["tokens"] if isinstance(t.get("witness"), list) and t["verdict"] == "argmaxable"]
@@ -148,6 +152,7 @@ def test_a_witness_list_copied_from_another_token_fails(demo_certificates, tmp_p
     assert result.failed == [victim["id"]] and result.reasons[victim["id"]][0].startswith("witness:")
 
 
+@pytest.mark.slow
 def test_convex_weights_in_another_order_fail(demo_certificates, tmp_path):
     def reverse(entries, _):  # still non-negative and summing to 1, but another combination of rows
         entries[4001]["convex"]["weights"].reverse()
@@ -157,6 +162,7 @@ def test_convex_weights_in_another_order_fail(demo_certificates, tmp_path):
     assert "convex weights" in done.stdout
 
 
+@pytest.mark.slow
 def test_a_dropped_certificate_is_an_error_not_an_undecided_token(demo_certificates, tmp_path):
     def drop(entries, document):
         document["tokens"] = [t for t in document["tokens"] if t["id"] != 4002]
@@ -188,6 +194,7 @@ def stated_numbers_fail(certificates: Path, head: Path, tmp_path: Path, k: int, 
     assert any(reason.startswith(f"{field}: ") for reason in reasons), line
 
 
+@pytest.mark.slow
 def test_a_margin_edited_upwards_fails_naming_the_margin(demo_certificates, tmp_path):
     document = json.loads(demo_certificates.read_text())
     for kind in (dict, list):  # a screen's formula witness and a witness written out
@@ -196,6 +203,7 @@ def test_a_margin_edited_upwards_fails_naming_the_margin(demo_certificates, tmp_
         stated_numbers_fail(demo_certificates, DEMO, tmp_path, k, ("margin",), 99.0, "margin")
 
 
+@pytest.mark.slow
 def test_a_residual_edited_downwards_fails_naming_the_residual(demo_certificates, tmp_path):
     document = json.loads(demo_certificates.read_text())
     entry = max((t for t in document["tokens"] if "convex" in t), key=lambda t: t["convex"]["residual"])
@@ -204,6 +212,7 @@ def test_a_residual_edited_downwards_fails_naming_the_residual(demo_certificates
                         entry["convex"]["residual"] / 1024, "residual")
 
 
+@pytest.mark.slow
 def test_a_bias_gap_edited_below_zero_fails_naming_the_bias_gap(demo_certificates, tmp_path):
     # the demo has no bias: every gap is exactly 0, and a file that claims -1 claims what no weights give
     stated_numbers_fail(demo_certificates, DEMO, tmp_path, 4001, ("convex", "bias_gap"), -1.0, "bias_gap")
@@ -236,6 +245,7 @@ def ball_ceilings(tmp_path_factory):
     return certificates, head
 
 
+@pytest.mark.slow
 def test_ball_certificates_with_ceilings_hold_untampered(ball_ceilings):
     certificates, head = ball_ceilings
     done = verify_cli(certificates, head)
@@ -243,6 +253,7 @@ def test_ball_certificates_with_ceilings_hold_untampered(ball_ceilings):
         done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_a_dual_bound_edited_downwards_fails_naming_it(ball_ceilings, tmp_path):
     certificates, head = ball_ceilings
     entry = next(t for t in json.loads(certificates.read_text())["tokens"] if t["id"] == 118)
@@ -253,6 +264,7 @@ def test_a_dual_bound_edited_downwards_fails_naming_it(ball_ceilings, tmp_path):
                         entry["convex"]["bias_gap"] - 1.0, "bias_gap")
 
 
+@pytest.mark.slow
 def test_probability_bounds_edited_fail_naming_them(ball_ceilings, tmp_path):
     certificates, head = ball_ceilings
     tokens = json.loads(certificates.read_text())["tokens"]
@@ -313,6 +325,7 @@ def test_missing_certificates_file_is_an_error(tmp_path):
     assert "absent.json: no such file" in line
 
 
+@pytest.mark.slow
 def test_an_audit_report_is_not_a_certificates_file(tmp_path):
     report = tmp_path / "report.json"
     seed = DEMO.parent / "seed_2d.safetensors"
@@ -335,6 +348,7 @@ def test_a_missing_checkpoint_is_an_error(demo_certificates, tmp_path):
     assert "no such file" in one_error_line(verify_cli(demo_certificates, tmp_path / "absent.safetensors"))
 
 
+@pytest.mark.slow
 def test_a_bias_the_audit_left_out_is_an_error_that_says_bias_none(tmp_path):
     rng = np.random.default_rng(5)
     head = tmp_path / "head.safetensors"
@@ -408,6 +422,7 @@ def test_ball_domain_certificates_hold_and_a_tampered_witness_fails(tmp_path):
     assert done.returncode == 1 and failed_ids(done) == {k} and "outside the ball:10 domain" in done.stdout
 
 
+@pytest.mark.slow
 def test_norm_domain_certificates_hold_and_a_borrowed_pre_norm_fails(tmp_path):
     weight, bias = small_head(np.random.default_rng(9), n=60, d=4)
     rng = np.random.default_rng(10)

@@ -43,6 +43,7 @@ def models(tmp_path_factory):
     return {"base": base, "resized": resized, "base_report": base_report, "root": root, "W": W}
 
 
+@pytest.mark.slow
 def test_only_the_rows_added_since_the_base_model_fail(models):
     done = audit(models["resized"], "--baseline", models["base_report"], "--format", "json")
     assert done.returncode == 1, done.stderr
@@ -55,6 +56,7 @@ def test_only_the_rows_added_since_the_base_model_fail(models):
     assert report["baseline"]["fixed"] == [] and report["baseline"]["new"] == 4
 
 
+@pytest.mark.slow
 def test_a_report_as_its_own_baseline_passes(models):
     own = models["root"] / "resized.json"
     assert audit(models["resized"], "--format", "json", "--output", own).returncode == 1
@@ -74,6 +76,7 @@ def test_fixed_findings_are_listed_and_nothing_fails(models, tmp_path):
     assert {(f["id"], f["verdict"]) for f in report["baseline"]["fixed"]} == {(0, "tied"), (N - 1, "tied")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, mark", [("text", "[new]"), ("markdown", "new")])
 def test_every_format_marks_new_findings(models, fmt, mark):
     done = audit(models["resized"], "--baseline", models["base_report"], "--format", fmt)
@@ -106,6 +109,7 @@ def test_another_domain_is_an_error(models):
     assert done.returncode == 2 and "domain" in done.stderr
 
 
+@pytest.mark.slow
 def test_files_that_are_not_reports_are_refused(models, tmp_path):
     certificates = tmp_path / "certs.json"
     assert audit(models["base"], "--certificates", certificates).returncode == 1

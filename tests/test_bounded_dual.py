@@ -42,6 +42,7 @@ def test_ball_verdicts_with_a_bias_match_a_cone_program_over_all_rows(rng, radiu
     assert auditor.verify(report, W, b).ok
 
 
+@pytest.mark.slow
 def test_the_frank_wolfe_stage_agrees_with_the_lp_alone(rng):
     W = rng.standard_normal((150, 6))
     b = 0.3 * rng.standard_normal(150)
@@ -65,6 +66,7 @@ def test_the_line_search_finds_the_minimum_of_its_segment(rng):
         assert found <= values.min() + 1e-9
 
 
+@pytest.mark.slow
 def test_the_working_set_misses_no_rival_of_a_larger_head(rng):
     """1,500 rows against 16 leaders per full evaluation: every ball-dual verdict must match the cone
     program over all rows, so a rival outside the working set cannot have been overlooked."""
@@ -96,6 +98,7 @@ def _stage_agrees_with_the_lp_oracle(W, b, domain, report, least):
     assert auditor.verify(report, W, b).ok
 
 
+@pytest.mark.slow
 def test_box_verdicts_with_a_bias_match_the_lp_over_all_rows(rng):
     W = rng.standard_normal((400, 5))
     b = 0.4 * rng.standard_normal(400)

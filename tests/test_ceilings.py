@@ -170,6 +170,7 @@ def test_float32_bounds_are_close_where_p_is_near_0_or_1(rng):
 
 @pytest.mark.parametrize("setting", ["torch.set_float32_matmul_precision('medium')",
                                      "torch.backends.mkldnn.matmul.fp32_precision = 'bf16'"])
+@pytest.mark.slow
 def test_lowered_float32_precision_is_overridden_for_the_audit_and_put_back(setting):
     """A caller who lets float32 products run in bfloat16 (either of torch's two settings) still gets
     bounds that hold: the screen and the float32 certifier keep IEEE float32 while they run, and the
@@ -278,6 +279,7 @@ def near_ties(rng, n=80, d=5):
     return W, b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("domain", ["ball:2", "box:0.6", "norm"])
 def test_ceiling_points_prove_only_what_the_verdict_stages_find(rng, domain):
     """With ceilings, a token whose certified point makes its logit the strict maximum is argmaxable with

@@ -73,12 +73,14 @@ def resized_report(resized, tmp_path_factory):
             out / "report.json")
 
 
+@pytest.mark.slow
 def test_real_model_folder_passes(base_report):
     report = json.loads(base_report.read_text())
     assert report["summary"]["argmaxable"] == 30522 and report["findings"] == []
     assert report["head"]["weight"] == "embeddings.word_embeddings.weight" and report["head"]["tied"] is True
 
 
+@pytest.mark.slow
 def test_resized_copy_fails_with_exactly_the_added_and_copied_rows(resized_report):
     report, _, _ = resized_report
     assert {f["id"]: f["verdict"] for f in report["findings"]} == {**{k: "unargmaxable" for k in ADDED},
@@ -88,6 +90,7 @@ def test_resized_copy_fails_with_exactly_the_added_and_copied_rows(resized_repor
     assert any("have no token string" in note for note in report["notes"])
 
 
+@pytest.mark.slow
 def test_resized_findings_are_explained_and_certified_on_at_most_d_plus_one_rows(resized_report):
     report, certificates, _ = resized_report
     by_id = {f["id"]: f for f in report["findings"]}
@@ -103,6 +106,7 @@ def test_resized_findings_are_explained_and_certified_on_at_most_d_plus_one_rows
     assert max(len(c["indices"]) for c in convex) <= 384 + 1
 
 
+@pytest.mark.slow
 def test_baseline_of_the_base_model_fails_only_on_the_new_rows(resized, base_report):
     folder, _ = resized
     done = audit_cli(folder, "--format", "json", "--quiet", "--baseline", base_report)
@@ -113,6 +117,7 @@ def test_baseline_of_the_base_model_fails_only_on_the_new_rows(resized, base_rep
     assert {f["baseline"] for f in report["findings"]} == {"new"}
 
 
+@pytest.mark.slow
 def test_baseline_of_its_own_report_passes(resized, resized_report):
     folder, _ = resized
     done = audit_cli(folder, "--quiet", "--baseline", resized_report[2])
@@ -148,6 +153,7 @@ def test_allow_list_syntax(tmp_path):
     assert allow.allows(12, None) and allow.allows(7, "##ing") and not allow.allows(7, "123")
 
 
+@pytest.mark.slow
 def test_sharded_safetensors_folder_gives_the_same_findings(resized, tmp_path):
     _, tensors = resized
     names = sorted(tensors)
@@ -162,6 +168,7 @@ def test_sharded_safetensors_folder_gives_the_same_findings(resized, tmp_path):
     assert findings(done) == {**{k: "unargmaxable" for k in ADDED}, COPY_OF: "tied", COPY: "tied"}
 
 
+@pytest.mark.slow
 def test_torch_bin_folder_gives_the_same_findings(resized, tmp_path):
     _, tensors = resized
     torch.save({n: torch.from_numpy(t) for n, t in tensors.items()}, tmp_path / "pytorch_model.bin")
@@ -178,6 +185,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 def test_malicious_pickle_is_never_executed(tmp_path):
     marker = tmp_path / "pwned"
     with open(tmp_path / "pytorch_model.bin", "wb") as stream:
@@ -254,6 +262,7 @@ def test_output_and_certificates_files_are_written_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["certs.json", "head.safetensors", "report.md"]
 
 
+@pytest.mark.slow
 def test_fail_on_none_never_fails_and_list_tensors_lists_matrices(tmp_path):
     head = tmp_path / "head.npz"
     np.savez(head, **{"model.embed_tokens.weight": np.vstack([np.eye(3), np.zeros((1, 3))]).astype(np.float32),
@@ -288,6 +297,7 @@ def _gguf_head(path, rows, qtype):
     writer.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0"])
 def test_gguf_round_trip_quantised_and_not(tmp_path, qtype):
     import auditor
@@ -314,6 +324,7 @@ def test_gguf_round_trip_quantised_and_not(tmp_path, qtype):
     assert {f["token"] for f in report["findings"] if f["id"] == 400} == {"tok400"}
 
 
+@pytest.mark.slow
 def test_sharded_torch_folder_and_explicit_names(tmp_path):
     rows = np.vstack([np.eye(4), -np.eye(4), np.full((1, 4), 0.1)]).astype(np.float32)
     torch.save({"model.embed_tokens.weight": torch.from_numpy(rows)}, tmp_path / "pytorch_model-00001-of-00002.bin")
@@ -333,6 +344,7 @@ def test_sharded_torch_folder_and_explicit_names(tmp_path):
     assert unbiased["head"]["bias"] is None
 
 
+@pytest.mark.slow
 def test_norm_domain_reads_the_final_norm_from_the_checkpoint(tmp_path):
     rng = np.random.default_rng(2)
     rows = rng.standard_normal((50, 4)).astype(np.float32)
@@ -349,6 +361,7 @@ def test_norm_domain_reads_the_final_norm_from_the_checkpoint(tmp_path):
     assert "final norm" in _one_error_line(audit_cli(bare, "--domain", "norm"))
 
 
+@pytest.mark.slow
 def test_ceiling_flags_argmaxable_tokens_that_never_reach_p(tmp_path):
     # four rows on the axes and one short row between two of them: it wins, but only barely
     rows = np.array([[1, 0], [-1, 0], [0, 1], [0, -1], [0.6, 0.6]], dtype=np.float32)
@@ -363,6 +376,7 @@ def test_ceiling_flags_argmaxable_tokens_that_never_reach_p(tmp_path):
     assert "bounded" in _one_error_line(audit_cli(path, "--ceiling", "0.5"))
 
 
+@pytest.mark.slow
 def test_untied_config_without_a_head_is_refused_not_audited_as_tied(tmp_path):
     save_file({"model.embed_tokens.weight": np.eye(3, dtype=np.float32)}, str(tmp_path / "model-00001-of-00002.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
@@ -370,6 +384,7 @@ def test_untied_config_without_a_head_is_refused_not_audited_as_tied(tmp_path):
     assert "not tied" in line
 
 
+@pytest.mark.slow
 def test_bart_style_aliases_choose_the_shared_matrix_and_say_tied(tmp_path):
     shared = np.vstack([np.eye(3), np.zeros((1, 3))]).astype(np.float32)
     torch.save({"model.shared.weight": torch.from_numpy(shared),

@@ -32,6 +32,7 @@ def test_demo_head_findings_are_the_resized_rows_the_copy_and_nothing_else():
     assert done.stderr == ""
 
 
+@pytest.mark.slow
 def test_seed_fixture_text_report_names_the_middle_row():
     done = run(FIXTURES / "seed_2d.safetensors", "--quiet")
     assert done.returncode == 1
@@ -51,6 +52,7 @@ def test_missing_file_is_one_line_and_exit_two(tmp_path):
     assert done.stderr.strip().count("\n") == 0 and "no such file" in done.stderr
 
 
+@pytest.mark.slow
 def test_truncated_file_is_exit_two_without_traceback(tmp_path):
     path = tmp_path / "cut.safetensors"
     path.write_bytes((FIXTURES / "resized_demo.safetensors").read_bytes()[:1000])
@@ -58,6 +60,7 @@ def test_truncated_file_is_exit_two_without_traceback(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_nan_weights_name_the_row_and_exit_two(tmp_path):
     weight = np.ones((5, 3), dtype=np.float32)
     weight[3, 2] = np.nan
@@ -67,6 +70,7 @@ def test_nan_weights_name_the_row_and_exit_two(tmp_path):
     assert done.returncode == 2 and "rows 3" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_an_empty_token_list_is_an_error_not_the_whole_vocabulary():
     for empty in ("", " , "):
         done = run(FIXTURES / "seed_2d.safetensors", "--tokens", empty, "--quiet")
@@ -74,6 +78,7 @@ def test_an_empty_token_list_is_an_error_not_the_whole_vocabulary():
         assert done.stdout == ""
 
 
+@pytest.mark.slow
 def test_help_ends_with_the_exit_codes_and_examples():
     done = run("--help")
     assert done.returncode == 0

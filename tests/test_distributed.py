@@ -254,6 +254,7 @@ def test_a_killed_audit_resumes_from_its_blocks(planted, tmp_path):
     assert_same_certificates(tmp_path / "certificates.json", planted["certificates"], planted["weight"])
 
 
+@pytest.mark.slow
 def test_a_work_dir_of_another_head_or_other_settings_is_refused_in_one_line(planted, tmp_path, capsys):
     work = tmp_path / "work"
     assert main([str(DEMO), "--tokens", "0-9", "--work-dir", str(work), "--quiet"]) == 0
@@ -369,3 +370,25 @@ def test_a_work_dir_is_refused_when_the_head_was_read_otherwise(tmp_path, capsys
     err = capsys.readouterr().err
     assert err == (f"audit: error: --work-dir {work}: holds blocks of an audit with other settings "
                    "(head.final_norm.eps was 1e-06, now 1e-05); give a new folder or empty this one\n")
+
+
+@pytest.mark.distributed
+def test_the_readmes_torchrun_example_works_as_printed_on_a_head_with_findings(tmp_path):
+    """README's one-machine torchrun line and its gate one-liner, run as printed on the demo head (which has
+    findings) with 2 processes for 8 and a local port: torchrun exits 0 with no traceback, the gate exits 1."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    block = readme.split("#### torchrun", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.splitlines() if line and not line.startswith("#")]
+    launch, gate = lines[0].split(), lines[1]
+    assert launch[:3] == ["torchrun", "--nproc-per-node", "8"] and "model/" in launch
+    demo = Path(__file__).resolve().parent.parent / "fixtures" / "resized_demo.safetensors"
+    args = ["--nproc-per-node", "2", *[str(demo) if a == "model/" else a for a in launch[3:]]]
+    done = torchrun(*args, port=free_port(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["summary"]["unargmaxable"] == 6 and (tmp_path / "certs.json").exists()
+    assert gate.startswith("python -c ")
+    code = gate[len("python -c "):].strip().strip('"')
+    gated = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert gated.returncode == 1, gated.stderr  # the demo's findings fail the default gate

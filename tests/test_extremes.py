@@ -75,6 +75,7 @@ def test_one_huge_row_does_not_loosen_the_tolerance_for_the_others():
     assert set(report.ids("argmaxable")) == qhull_argmaxable(W)
 
 
+@pytest.mark.slow
 def test_interior_weights_sum_to_one_and_verify(rng):
     A = rng.standard_normal((4, 4)) * np.array([100, 1, 0.01, 1e-4])
     W = rng.standard_normal((40, 4)) @ A

@@ -122,6 +122,7 @@ def checkpoint(tmp_path, rng):
     return path, U
 
 
+@pytest.mark.slow
 def test_the_command_audits_a_named_product_and_says_so(checkpoint):
     path, U = checkpoint
     done = run(path, "--weight", "down.weight@up.weight.T", "--format", "json", "--quiet")
@@ -146,6 +147,7 @@ def test_a_clean_factorised_head_exits_zero(tmp_path):
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_the_transpose_suffix_is_needed_when_the_factors_do_not_multiply(checkpoint):
     path, _ = checkpoint
     done = run(path, "--weight", "down.weight@up.weight")
@@ -153,6 +155,7 @@ def test_the_transpose_suffix_is_needed_when_the_factors_do_not_multiply(checkpo
     assert done.stderr.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_a_name_that_is_a_tensor_is_not_read_as_a_transpose(tmp_path, rng):
     U, V = factorised_head(rng)
     path = tmp_path / "named.safetensors"
@@ -167,12 +170,14 @@ def test_a_name_that_is_a_tensor_is_not_read_as_a_transpose(tmp_path, rng):
 @pytest.mark.parametrize("weight, message", [("down.weight@absent", "no tensor named 'absent'"),
                                              ("down.weight@", "name one tensor, or two as A@B"),
                                              ("down.weight@up.weight.T", "only in the unbounded domain")])
+@pytest.mark.slow
 def test_bad_products_are_one_line_errors(checkpoint, weight, message):
     path, _ = checkpoint
     done = run(path, "--weight", weight, "--domain", "ball:1")
     assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_a_rank_deficient_factor_is_a_one_line_error(tmp_path, rng):
     path = tmp_path / "deficient.safetensors"
     V = rng.normal(size=(3, 6))
@@ -182,6 +187,7 @@ def test_a_rank_deficient_factor_is_a_one_line_error(tmp_path, rng):
     assert done.returncode == 2 and "does not have full row rank" in done.stderr
 
 
+@pytest.mark.slow
 def test_certificates_state_the_factorisation_and_audit_verify_checks_them_on_u(checkpoint, tmp_path):
     path, _ = checkpoint
     certificates = tmp_path / "certificates.json"
@@ -196,6 +202,7 @@ def test_certificates_state_the_factorisation_and_audit_verify_checks_them_on_u(
     assert refused.returncode == 2 and "--weight down.weight@up.weight.T" in refused.stderr
 
 
+@pytest.mark.slow
 def test_audit_verify_refuses_a_product_for_certificates_of_a_plain_head(checkpoint, tmp_path):
     path, _ = checkpoint
     certificates = tmp_path / "certificates.json"

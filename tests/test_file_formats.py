@@ -119,6 +119,7 @@ def test_a_folder_file_with_the_wrong_format_for_its_name_still_loads(tmp_path):
     np.testing.assert_array_equal(as_array(load_head(tmp_path).weight), ROWS)
 
 
+@pytest.mark.slow
 def test_a_ctranslate2_model_is_named_and_torch_is_never_asked(tmp_path):
     path = tmp_path / "x.bin"
     path.write_bytes(b"\x06\x00\x00\x00\x0cWhisperSpec")  # the repro: a one-byte length
@@ -150,6 +151,7 @@ def test_a_text_file_named_like_a_torch_checkpoint_is_not_a_checkpoint(tmp_path)
     assert "not a checkpoint" in line and "KeyError" not in line
 
 
+@pytest.mark.slow
 def test_a_pickle_of_a_function_is_refused_without_torchs_advice(tmp_path):
     path = tmp_path / "weights.bin"
     path.write_bytes(pickle.dumps({"lm_head.weight": os.system}))
@@ -162,6 +164,7 @@ class Recipe:  # a custom object in a checkpoint, which the weights-only unpickl
         self.steps = 3
 
 
+@pytest.mark.slow
 def test_a_torch_checkpoint_holding_an_object_is_refused_without_torchs_advice(tmp_path):
     path = tmp_path / "ckpt.pt"
     torch.save({"lm_head.weight": torch.from_numpy(ROWS), "recipe": Recipe()}, path)

@@ -118,6 +118,7 @@ def test_fragment_filters_the_table_by_text(chromium, demo_page, tmp_path):
     assert dom.visible() == {2631}
 
 
+@pytest.mark.slow
 def test_page_references_nothing_on_the_network(demo_page):
     raw = demo_page.read_text(encoding="utf-8")
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", raw, flags=re.I)
@@ -126,6 +127,7 @@ def test_page_references_nothing_on_the_network(demo_page):
     assert "default-src 'none'" in raw  # the Content-Security-Policy forbids any fetch as well
 
 
+@pytest.mark.slow
 def test_page_is_small_enough_to_mail(demo_page):
     assert demo_page.stat().st_size < 1_500_000
 
@@ -242,6 +244,7 @@ def test_table_lists_a_bounded_number_of_rows_per_verdict_and_counts_the_rest(ho
     assert f"and {len(tied) - 2} more tied findings" in page
 
 
+@pytest.mark.slow
 def test_page_is_one_well_formed_html5_document(demo_page):
     page = demo_page.read_text(encoding="utf-8")
     assert page.startswith("<!DOCTYPE html>\n<html lang=\"en\">")
@@ -297,6 +300,7 @@ def test_footer_commands_remake_this_page_and_recheck_its_certificates(tmp_path)
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+@pytest.mark.slow
 def test_footer_of_a_page_on_stdout_writes_it_there_and_keeps_the_certificates_it_checks():
     pytest.importorskip("matplotlib")
     done = subprocess.run([sys.executable, "-m", "auditor", str(DEMO), "--tokens", "4004", "--format", "html",

@@ -214,6 +214,7 @@ def test_offline_and_not_cached_is_one_line(cached, capsys):
         assert "not in the local cache" in line and "HF_HUB_OFFLINE" in line, line
 
 
+@pytest.mark.slow
 def test_offline_environment_variables_are_honoured_in_a_fresh_process(cached, tmp_path, capsys):
     _, direct, _ = run_audit(capsys, cached)
     env = {**os.environ, "HF_HUB_CACHE": huggingface_hub.constants.HF_HUB_CACHE, "HF_HUB_OFFLINE": "1",
@@ -394,6 +395,7 @@ def test_a_sharded_model_fetches_only_the_shard_holding_the_head(fake_hub, local
     assert same_audit(report, run_audit(capsys, local_sharded)[1])
 
 
+@pytest.mark.slow
 def test_hf_endpoint_and_cache_in_the_environment_are_honoured_in_a_fresh_process(fake_hub, local_sharded,
                                                                                    tmp_path, capsys):
     env = {**os.environ, "HF_ENDPOINT": fake_hub.endpoint, "HF_HUB_CACHE": str(tmp_path / "fresh-cache"),

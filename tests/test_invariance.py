@@ -109,6 +109,7 @@ def assert_same_verdicts(first, second, order=None) -> None:
 
 # --- adding a constant to every bias -------------------------------------------------------------
 
+@pytest.mark.slow
 @FAST
 @example(planted({3: [0, 1 / 32], 4: [0, 1 / 16]}, 5, 2), 1, "unbounded")
 @example(planted({3: [0, 1 / 32], 4: [0, -1 / 32]}, 5, 2), 1, "unbounded")
@@ -141,6 +142,7 @@ def translate(W: np.ndarray, vector: tuple[list[int], int]) -> np.ndarray:
     return moved
 
 
+@pytest.mark.slow
 @FAST
 @given(heads(bias=False), translations)
 def test_one_vector_added_to_every_row_changes_no_verdict_unbounded(head, vector):
@@ -158,6 +160,7 @@ def test_one_vector_added_to_every_row_changes_no_verdict_unbounded(head, vector
 @example(planted({0: [0, 0, 0, 0.078125], 2: [0, 0, 0, 0.15625], 3: [0, 1 / 32, 0, 0.125], 9: [0, 0, 0, -1 / 32],
                   10: [0, 0, 0, 1 / 32], 11: [0, 0, 0, 0.09375]}, 34, 4, {10: 1 / 32, 11: 1 / 64}),
          ([0] * 5, 0), auditor.Ball(7.25))
+@pytest.mark.slow
 def test_one_vector_added_to_every_row_changes_no_verdict_in_a_bounded_domain_with_bias(head, vector, domain):
     assert_same_verdicts(audit(head, domain=domain), audit(translate(head.weight, vector), head.bias, domain))
 
@@ -174,6 +177,7 @@ def test_repro_rows_far_along_e1_against_the_same_rows_at_the_origin(seed):
 
 # --- scaling head and bias together --------------------------------------------------------------
 
+@pytest.mark.slow
 @FAST
 @example(planted({35: [0, 0, 1 / 8]}, 36, 3, bias={}), 53, "unbounded")
 @given(heads(), st.integers(-300, 300), domains())
@@ -184,6 +188,7 @@ def test_scaling_head_and_bias_by_a_power_of_two_changes_no_verdict(head, e, dom
     assert_same_verdicts(audit(head, domain=domain), audit(head.weight * s, bias, domain))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("e", [66, -66])
 def test_repro_biased_head_scaled_by_2_to_the_66(seed, e):
@@ -195,6 +200,7 @@ def test_repro_biased_head_scaled_by_2_to_the_66(seed, e):
 
 # --- scaling the head against the radius ---------------------------------------------------------
 
+@pytest.mark.slow
 @FAST
 @example(planted({20: [0, 0, 0, 3 / 32]}, 22, 4, bias={21: 1 / 32}), 19, auditor.Ball(0.25))
 @given(heads(), st.integers(-300, 300), domains(bounded=True))
@@ -215,6 +221,7 @@ def test_repro_biased_head_scaled_by_2_to_the_332_in_a_ball(seed, e):
 
 # --- permuting the rows --------------------------------------------------------------------------
 
+@pytest.mark.slow
 @FAST
 @given(st.data(), heads(), domains())
 def test_permuting_the_rows_changes_no_verdict(data, head, domain):
@@ -259,6 +266,7 @@ def copies(W, b, k) -> list[int]:
     return [int(i) for i in np.flatnonzero(same) if i != k]
 
 
+@pytest.mark.slow
 @FAST
 @example(planted({0: [0, 0, 0, 1 / 64], 2: [0, 0, 0, 1 / 32]}, 20, 4, bias={0: 1 / 64, 2: 1 / 32}))
 @given(heads())

@@ -1,6 +1,8 @@
 """The LP stage's budget of rounds adapts to what is left, and the whole stage stays bounded."""
 
 import numpy as np
+import pytest
+from oracles import lp_margin
 
 import auditor
 import auditor.engine.lp as lp
@@ -55,3 +57,21 @@ def test_no_rounds_skips_the_stage(monkeypatch):
     calls = _counting_solves(monkeypatch)
     auditor.audit(W, progress=False, frank_wolfe_iterations=0, newton_iterations=0, lp_rounds=0)
     assert calls == []
+
+
+@pytest.mark.slow
+def test_a_biased_float32_head_of_3000_rows_leaves_nothing_inconclusive():
+    """3000 x 16 float32 rows N(0, 1) with a bias 0.25 N(0, 1), seed 1: four tokens (927, 1094, 2028, 2778),
+    each settled by one LP over all rows in seconds, were left inconclusive by a fixed budget of rounds.
+    Their verdicts agree with that LP (HiGHS, the oracle of tests/oracles.py) and every certificate verifies."""
+    rng = np.random.default_rng(1)
+    W = rng.standard_normal((3000, 16)).astype(np.float32)
+    b = (0.25 * rng.standard_normal(3000)).astype(np.float32)
+    report = auditor.audit(W, b, progress=False)
+    assert report.counts["inconclusive"] == 0
+    W64, b64 = W.astype(np.float64), b.astype(np.float64)
+    for k in (927, 1094, 2028, 2778):
+        margin = lp_margin(W64, b64, k)[0]
+        assert abs(margin) > 1e-6  # the oracle is decided on these tokens
+        assert report.tokens[k].verdict == ("argmaxable" if margin > 0 else "unargmaxable"), (k, margin)
+    assert auditor.verify(report, W, b).ok

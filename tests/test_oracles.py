@@ -46,6 +46,7 @@ def test_no_bias_matches_qhull_vertices(rng, d):
     assert report.counts["inconclusive"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d", [2, 3, 4])
 def test_bias_matches_qhull_of_lifted_points(rng, d):
     W = planted_head(rng, 30 + 10 * d, d)
@@ -61,6 +62,7 @@ def test_bias_matches_qhull_of_lifted_points(rng, d):
             assert residual <= 1e-9 and gap <= 1e-9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth", [1e-3, 1e-4, 1e-5, 1e-6])
 def test_near_boundary_rows_get_exact_verdicts(rng, depth):
     base = rng.standard_normal((120, 8))
@@ -95,6 +97,7 @@ def test_duplicates_are_tied_and_their_group_is_decided(rng):
     assert set(report.ids("argmaxable")) == qhull_argmaxable(W[:n - 3]) - {vertex}
 
 
+@pytest.mark.slow
 def test_random_heads_agree_with_the_plain_lp(rng):
     W = planted_head(rng, 150, 10, interior=8)
     W = np.vstack([W, W[[5, 154]]])  # a copy of an outer row and of a planted interior row

@@ -22,6 +22,7 @@ def gaussian_head(rng, n, d, offset=0.0):
     return rows.astype(np.float32)
 
 
+@pytest.mark.slow
 def test_close_calls_of_the_float32_screen_match_the_lp_and_verify(rng):
     """Rows pushed to relative depth 1e-6 and 1e-7 outside and inside the hull: margins far
     below the float32 rounding bound. Every verdict must match the LP over all rows, and every
@@ -51,6 +52,7 @@ def test_close_calls_of_the_float32_screen_match_the_lp_and_verify(rng):
     assert result.ok and result.checked == W.shape[0] - report.counts["inconclusive"]
 
 
+@pytest.mark.slow
 def test_float32_storage_and_float64_storage_agree(rng):
     """The same values as a float32 head (float32 screen) and, nudged off float32, as a float64
     head (float64 screen): the verdicts agree token for token."""
@@ -63,6 +65,7 @@ def test_float32_storage_and_float64_storage_agree(rng):
     assert auditor.verify(as32, W).ok and auditor.verify(as64, nudged).ok
 
 
+@pytest.mark.slow
 def test_rows_swallowed_by_a_longer_copy_are_settled_by_newton_and_match_the_lp(rng):
     """w_j = 1.01 w_k with the origin inside the cloud: w_k is in the hull (just), which first-order
     methods cannot settle in their budget; the Newton stage certifies it."""
@@ -155,6 +158,7 @@ def test_shards_merge_into_the_whole_report(sharded_head, tmp_path):
     assert {f["id"] for f in merged["findings"]} == {10, 700, 1197, 1198, 1199}
 
 
+@pytest.mark.slow
 def test_merge_refuses_missing_repeated_and_foreign_shards(sharded_head, tmp_path):
     paths = []
     for i in (1, 2):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from report_masks import masked
 
@@ -32,6 +33,7 @@ def test_json_on_stdout_parses_when_the_lp_stage_runs():
     assert report["summary"]
 
 
+@pytest.mark.slow
 def test_markdown_on_stdout_is_the_report_alone_with_progress_shown():
     golden = (ROOT / "tests" / "golden" / "resized_demo.markdown").read_text(encoding="utf-8")
     shown = audit_stdout("--format", "markdown", "--threads", "2")  # progress on: it goes to stderr
@@ -39,6 +41,7 @@ def test_markdown_on_stdout_is_the_report_alone_with_progress_shown():
     assert masked(shown) == masked(golden)  # the report, character for character, and nothing else
 
 
+@pytest.mark.slow
 def test_quiet_stdout_silences_what_native_code_writes_to_descriptor_1():
     code = ("import os; from auditor._io import quiet_stdout\n"
             "with quiet_stdout():\n    os.write(1, b'banner'); print('printed')\n"

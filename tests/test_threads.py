@@ -83,6 +83,7 @@ def run(*args, env=None):
     return subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], capture_output=True, text=True, env=env)
 
 
+@pytest.mark.slow
 def test_the_json_report_and_the_text_header_state_the_threads():
     done = run(FIXTURES / "seed_2d.safetensors", "--threads", "1", "--format", "json", "--quiet")
     assert done.returncode == 1
@@ -91,6 +92,7 @@ def test_the_json_report_and_the_text_header_state_the_threads():
     assert "threads  1 CPU thread\n" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["0", "-1", "x"])
 def test_the_command_refuses_a_bad_thread_count_in_one_line(value):
     done = run(FIXTURES / "seed_2d.safetensors", "--threads", value)
@@ -98,6 +100,7 @@ def test_the_command_refuses_a_bad_thread_count_in_one_line(value):
     assert done.stderr.count("\n") == 1 and "--threads" in done.stderr
 
 
+@pytest.mark.slow
 def test_the_command_refuses_a_bad_omp_num_threads_in_one_line():
     import os
 
