@@ -93,11 +93,12 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
         norm_map = NormMap(final_norm, reduced)
         ties = exact_ties(w64, b64, reduced, final_norm)
         row_error = reduced.row_error + output_error(w.shape[1]) * torch.linalg.vector_norm(reduced.weight, dim=1)
-        ceilings, rest = None, ids
+        ceilings, rest, proved = None, ids, None
         if probability_ceiling:  # first: their certified points also prove most tokens argmaxable
             ceilings = _ceilings(reduced.weight, reduced.bias, ids, Ball(reduced.radius), progress,
                                  float(row_error.max()), float(reduced.bias_error.max()))
-            rest = _not_won(ids, ceilings[0], ties)
+            proved = ceilings[0].margin > 0  # the reduced head keeps the plain rule (EngineOptions)
+            rest = _not_won(ids, proved, ties)
         # Tokens whose dual value is zero up to rounding (rows inside the hull: the reduced bias W beta is
         # linear in the rows, so their bias gap is too) are settled in R^d first, the LP only if that fails.
         decisions = decide(reduced.weight, reduced.bias, rest, Ball(reduced.radius),
@@ -113,14 +114,15 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
         decisions.timings["hull_fallback"] = time.perf_counter() - clock
         del reduced
     else:
-        groups, ceilings, rest = None, None, ids
+        groups, ceilings, rest, proved = None, None, ids, None
         if probability_ceiling:
             groups = duplicate_groups(w, b64)
             ceilings = _ceilings(w.to(torch.float64), b64, ids, parsed_domain, progress)
-            rest = _not_won(ids, ceilings[0], groups)
+            proved = _lead_beyond_tolerance(ceilings[0], ids, w, parsed_domain, residual_tol) > 0
+            rest = _not_won(ids, proved, groups)
         decisions = decide(w, b64, rest, parsed_domain, options, progress, representative=groups)
     if ceilings is not None:
-        _record_ceilings(decisions, ids, *ceilings)
+        _record_ceilings(decisions, ids, *ceilings, proved)
     timings = dict(decisions.timings)
     report = AuditReport(decisions, _row_reader(weight), n_tokens=w.shape[0], hidden_size=w.shape[1],
                          dtype=dtype, has_bias=b64 is not None, domain=parsed_domain, device=str(chosen),
@@ -144,22 +146,36 @@ def _ceilings(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, 
     return found, time.perf_counter() - clock
 
 
-def _not_won(ids: np.ndarray, found, representative: np.ndarray) -> np.ndarray:
+def _lead_beyond_tolerance(found, ids: np.ndarray, weight: torch.Tensor, domain, residual_tol: float) -> np.ndarray:
+    """The ceilings' certified leads, less what the verdict rule asks a witness to lead by (EngineHead.witness_lead):
+    residual_tol times a row's spread times ||z|| (the domain's reach when bounded). The spread is bounded by the
+    diagonal of the rows' bounding box, which holds every row and their median: a token the ceilings prove keeps
+    a positive value only when it leads beyond its own threshold; the verdict stages decide the others."""
+    low, high = weight.amin(dim=0).to(torch.float64), weight.amax(dim=0).to(torch.float64)
+    diagonal = float(torch.linalg.vector_norm(high - low)) * (1 + 2.0**-40)
+    if domain.bounded:
+        size = np.full(len(ids), domain.reach(weight.shape[1]))
+    else:
+        size = np.array([float(np.linalg.norm(found.witness(j))) for j in range(len(ids))]) * (1 + 2.0**-40)
+    return found.margin - residual_tol * diagonal * size
+
+
+def _not_won(ids: np.ndarray, proved: np.ndarray, representative: np.ndarray) -> np.ndarray:
     """The tokens the ceilings did not prove argmaxable: for those left, the verdict stages.
 
     A token whose certified point makes its logit the strict maximum is argmaxable with that
     point as its witness (the check is the screen's, from the same float32 rounding bounds, see
     ceiling.bounds.Float32Certifier). Only tokens without a copy are taken: a tied token never wins."""
     alone = (representative == np.arange(representative.size)) & (np.bincount(representative)[representative] == 1)
-    won = (found.margin > 0) & alone[ids]
+    won = proved & alone[ids]
     return ids[~won]
 
 
-def _record_ceilings(decisions, ids: np.ndarray, found, seconds: float) -> None:
-    """Every requested token's ceiling; the argmaxable verdict of the tokens the ceilings proved."""
+def _record_ceilings(decisions, ids: np.ndarray, found, seconds: float, proved: np.ndarray) -> None:
+    """Every requested token's ceiling; the argmaxable verdict of the tokens the ceilings proved (``proved``)."""
     for j, k in enumerate(ids.tolist()):
         decisions.ceiling[k] = (float(found.lower[j]), float(found.upper[j]), found.point[j])
-        if decisions.verdict[k] == UNDECIDED and found.margin[j] > 0:
+        if decisions.verdict[k] == UNDECIDED and proved[j]:
             decisions.verdict[k] = ARGMAXABLE
             decisions.explicit_witness[k] = found.witness(j)
             decisions.margin[k] = float(found.margin[j])

@@ -381,3 +381,14 @@ def test_a_row_at_an_edge_midpoint_with_a_bias_a_hair_above_is_unargmaxable_in_e
     token = report.tokens[int(np.argsort(order)[4])]
     assert token.verdict == "unargmaxable" and token.bias_gap <= 0 and 0 < token.residual <= TAU * 0.75
     assert auditor.verify(report, W[order], b[order]).ok
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_probability_ceilings_prove_no_token_the_rule_calls_unargmaxable(seed):
+    """The ceilings' certified points are witnesses too: one that leads by less than the tolerance (times the
+    reach) must not make a token argmaxable, so the verdicts are those of the audit without ceilings."""
+    W = planted_at_the_tolerance(seed, 2 + seed % 3, 12 + seed, 0.5)
+    plain = audit(W, domain=auditor.Ball(2.0))
+    ceilings = auditor.audit(W, domain=auditor.Ball(2.0), probability_ceiling=True, progress=False)
+    assert verdicts(plain) == verdicts(ceilings)
+    assert plain.tokens[W.shape[0] - 1].verdict == "unargmaxable"

@@ -232,6 +232,9 @@ def _screen_chunk(head: EngineHead, arithmetic: _Arithmetic, ids: np.ndarray, re
             if own_bias is not None:
                 tolerance = tolerance + arithmetic.error_factor * head.bias[k].abs()
             tolerance = tolerance + derived_error(head, k, size * torch.ones_like(norm_k))
+            # and the lead the verdict rule asks of a witness (EngineHead.witness_lead), at ||z|| rounded up
+            tolerance = tolerance + head.witness_lead(k, norm_z * (scale if head.bias is not None else 1.0)
+                                                      * (1 + 2.0**-20))
             if arithmetic.copy_error is not None:  # the products were of the float32 copy's rows
                 e_k = arithmetic.copy_error[k]
                 tolerance = tolerance + 2 * (scale if head.bias is not None else 1.0) * (
