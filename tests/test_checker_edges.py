@@ -164,6 +164,23 @@ def test_every_certificate_the_audit_issues_verifies_under_the_invariances(case)
         assert result.tokens == weight.shape[0] - report.counts["inconclusive"]
 
 
+def test_a_gap_settled_exactly_bounds_the_gap_of_the_weights_as_reported():
+    # row 3 is the mean of rows 0, 2, 4 and 6, and b_3 the mean of their biases: the gap is zero up to
+    # rounding, so its bound is settled in rational arithmetic, and must be for the reported weights
+    # (normalised to sum 1), not for the solver's before normalisation, which differ in the last bits
+    W = np.array([[-2, 2, 1, 0], [-2, 2, 1, 0], [0, 4.25, 11.5, -18], [0.25, 1.5625, 14.375, -22.25],
+                  [0, 1, 0, -26], [0, 0, 0, -10], [3, -1, 45, -45]]) / 32
+    b = np.array([0, 0, -10.5, -13.125, 0, 0, -42]) / 32
+    report = auditor.audit(W, b, progress=False)
+    assert report.ids("unargmaxable") == [3]
+    result = auditor.verify(report, W, b)
+    assert result.ok, result.reasons
+    entry = next(t for t in report.to_dict()["tokens"] if t["id"] == 3)
+    alpha = [Fraction(a) for a in entry["convex"]["weights"]]
+    exact = sum(a * (Fraction(b[3]) - Fraction(b[i])) for a, i in zip(alpha, entry["convex"]["indices"]))
+    assert Fraction(entry["convex"]["bias_gap"]) >= exact / sum(alpha)
+
+
 def test_the_audit_settles_such_a_gap_exactly_instead_of_leaving_the_token_inconclusive():
     W, b, _ = biased_head_with_a_gap_that_rounds_up()
     report = auditor.audit(W, b, progress=False)

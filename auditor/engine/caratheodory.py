@@ -141,6 +141,8 @@ def _maximum_entropy(points: np.ndarray, target: np.ndarray, start: np.ndarray |
                                       assume_a="pos", check_finite=False)
         except (np.linalg.LinAlgError, scipy.linalg.LinAlgError):
             step = np.linalg.lstsq(hessian, gradient, rcond=None)[0]
+        if not np.all(np.isfinite(step)):  # unchecked input to the factorisation: a singular one gives NaN
+            step = np.linalg.lstsq(hessian, gradient, rcond=None)[0]
         slope = float(gradient @ step)
         if not slope > 0:
             return None

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from auditor.domain import Domain
+from auditor.engine.decisions import on_the_simplex
 from auditor.engine.head import EngineHead
 from auditor.engine.rounding import gamma, proves_positive, safe_norm
 
@@ -176,6 +177,7 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
              and np.all(head.representative[indices] == indices) and weights.sum() > 0)
     if not valid:
         return ConvexCheck(math.inf, math.inf, False)
+    weights = on_the_simplex(weights)  # the numbers set_convex will report, so every exact sign below is theirs
     device = head.device
     index = torch.as_tensor(indices, device=device)
     alpha = torch.as_tensor(weights, device=device)
@@ -238,7 +240,7 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
         # normal form's translated rows and bias carry rounding; its powers of two change no sign).
         computed = domain.support(offset) + (computed_gap if head.bias is not None else 0.0)
         if computed <= value - computed:
-            beta = weights / weights.sum()
+            beta = weights
             if source is not None:
                 weight, bias, given = source
                 rows = weight[torch.as_tensor(indices, device=weight.device)].to(torch.float64).cpu().numpy()

@@ -56,11 +56,17 @@ def set_witness(out: Decisions, k: int, witness: np.ndarray, margin: float, runn
     out.stage[k] = STAGES.index(stage)
 
 
+def on_the_simplex(weights) -> np.ndarray:
+    """alpha / sum(alpha) in float64: the weights a convex certificate is checked on and reported with.
+    The same float64 numbers on both sides matter: a gap settled exactly holds for these weights only."""
+    weights = np.asarray(weights, dtype=np.float64)
+    return weights / weights.sum()
+
+
 def set_convex(out: Decisions, k: int, indices, weights, residual: float, gap: float, stage: str) -> None:
     """Token k is unargmaxable: convex ``weights`` on rows ``indices`` reproduce it (normalised, largest first)."""
     out.verdict[k] = UNARGMAXABLE
-    weights = np.asarray(weights, dtype=np.float64)
-    weights = weights / weights.sum()  # the check was about alpha / sum(alpha); report exactly that
+    weights = on_the_simplex(weights)  # what check_convex checked, given the weights it was given
     order = np.argsort(-weights, kind="stable")  # largest weights first: the main competitors
     out.convex[k] = (np.asarray(indices)[order], np.asarray(weights)[order], float(residual), float(gap))
     out.stage[k] = STAGES.index(stage)
