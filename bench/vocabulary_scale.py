@@ -1,6 +1,6 @@
 """Audit time at real vocabulary shapes against the floor of any exact audit.
 
-    python bench/vocabulary_scale.py [--shape gpt2|llama3|gemma2|N,D] [--dtype float32|bfloat16]
+    python bench/vocabulary_scale.py [--shape gpt2|llama3|gemma2|N,D] [--width D] [--dtype float32|bfloat16]
                                      [--device cpu|cuda] [--lp-tokens 2] [--verify] [--json]
 
 Builds a synthetic head of the given shape that is anisotropic the way trained
@@ -174,6 +174,8 @@ def lp_baseline(weight: np.ndarray, ids, time_limit: float) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="gpt2", help="gpt2, llama3, gemma2 or N,D")
+    parser.add_argument("--width", type=int, help="the shape's vocabulary at this hidden width (llama3's 128256 rows "
+                        "at 1024 is what 2 CPU cores finish in minutes)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
@@ -183,6 +185,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     n, d = SHAPES[args.shape] if args.shape in SHAPES else map(int, args.shape.split(","))
+    d = args.width or d
 
     started = time.perf_counter()
     weight, planted = make_head(n, d, args.seed)
