@@ -174,8 +174,8 @@ def lp_baseline(weight: np.ndarray, ids, time_limit: float) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="gpt2", help="gpt2, llama3, gemma2 or N,D")
-    parser.add_argument("--width", type=int, help="the shape's vocabulary at this hidden width (llama3's 128256 rows "
-                        "at 1024 is what 2 CPU cores finish in minutes)")
+    parser.add_argument("--width", type=int, help="the shape's vocabulary at this hidden width (llama3 at 1024: about "
+                        "18 minutes on 2 CPU cores)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
@@ -242,7 +242,7 @@ def main() -> None:
     print(f"device     {args.device}, {figures['threads']} threads")
     print(f"floor      {figures['floor_s']:.2f} s  (one float32 W W^T pass, per-row top-2)")
     print(f"audit      {audit_s:.2f} s  = {figures['ratio_to_floor']:.2f} x floor")
-    print(f"stages     " + ", ".join(f"{k} {v:.2f}" for k, v in figures["stages_s"].items()))
+    print("stages     " + ", ".join(f"{k} {v:.2f}" for k, v in figures["stages_s"].items()))
     print(f"memory     peak {memory.extra / 2**20:.0f} MiB beyond the head = {figures['peak_extra_over_head']:.2f} "
           f"x its size")
     print(f"verdicts   {figures['counts']}")

@@ -140,8 +140,8 @@ def _maximum_entropy(points: np.ndarray, target: np.ndarray, start: np.ndarray |
             step = scipy.linalg.solve(hessian + 1e-14 * np.trace(hessian) * np.eye(len(hessian)), gradient,
                                       assume_a="pos", check_finite=False)
         except (np.linalg.LinAlgError, scipy.linalg.LinAlgError):
-            step = np.linalg.lstsq(hessian, gradient, rcond=None)[0]
-        if not np.all(np.isfinite(step)):  # unchecked input to the factorisation: a singular one gives NaN
+            step = None
+        if step is None or not np.all(np.isfinite(step)):  # singular: raised, or NaN from the unchecked factorisation
             step = np.linalg.lstsq(hessian, gradient, rcond=None)[0]
         slope = float(gradient @ step)
         if not slope > 0:
