@@ -7,7 +7,8 @@
              the domain's dual r ||w_k - sum alpha_i w_i|| + sum alpha_i (b_k - b_i) (balls,
              the norm domain included, and boxes with the l1 norm, with a bias; the
              unbounded domain with a bias on a ladder of large balls)
-5. newton    maximum-entropy convex combinations by Newton's method (no bias)
+5. newton    maximum-entropy convex combinations by Newton's method (with a bias, leaning
+             towards the rows of larger bias)
 6. lp        constraint generation with cvxpy for whatever is left, under one budget
              of rounds that the tokens still converging share
 7. whatever no stage proved is ``inconclusive``, with the bounds found
@@ -117,7 +118,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     timings["frank_wolfe"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    if head.bias is None and len(left) and options.newton_iterations > 0:
+    if len(left) and options.newton_iterations > 0:
         left = _newton(head, out, left, options, progress)
     timings["newton"] = time.perf_counter() - clock
 

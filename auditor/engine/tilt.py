@@ -1,4 +1,4 @@
-"""The Newton stage: maximum-entropy convex certificates, by Newton's method (heads without a bias).
+"""The Newton stage: maximum-entropy convex certificates, by Newton's method.
 
 A point p lies in the interior of the convex hull of rows R exactly when the
 smooth convex function
@@ -24,6 +24,18 @@ swallowed by a longer copy of itself (w_j = 1.01 w_k) is settled this way in a
 few steps. The Hessian is formed from the rows that carry the most weight,
 which only slows convergence a little where it is inexact; every answer goes
 through certify.check_convex like any other.
+
+With a bias the certificate also needs sum_i pi_i b_i >= b_k. The weights are
+then tilted by the bias as well, pi_i proportional to exp(theta . w_i + b_i / sigma)
+with sigma the spread of the biases: F keeps its gradient sum_i pi_i w_i - p, so
+the minimiser still reproduces p, and among the weights that do it leans
+towards the rows of larger bias; where the gap is still positive, a stronger
+lean is tried (_LEANS), which in the limit gives the largest average bias any
+combination reproducing p has. A row at the mean of the rows with the mean of
+their biases (the bias a LayerNorm shift gives every row is w_i . beta) then
+gets a bias gap below zero by about the spread of the biases that the rows do
+not fix, instead of a tie. p is then w_k itself: the ray's rival w_j brings
+its own bias into the gap.
 """
 
 from __future__ import annotations
@@ -39,16 +51,24 @@ _CG_ITERATIONS = 60
 _PATIENCE = 6
 _ARMIJO = 1e-4
 _RAY_RIVALS = 16
+_LEANS = (1.0, 8.0, 64.0)  # the bias's tilt, in units of its spread: tried in turn while the gap is positive
 _STEP_LIMIT = 30.0  # largest spread (standard deviation over the rows) a step may add to the logits
 
 
 def tilted_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 40, progress=None) -> dict[int, tuple[np.ndarray, np.ndarray, float, float]]:
     """Return ``{k: (indices, weights, residual, bias_gap)}`` for the tokens this settles."""
     found = {}
-    if head.bias is not None or len(ids) == 0 or head.n_competitors <= head.d:
+    if len(ids) == 0 or head.n_competitors <= head.d:
         return found
     for s in range(0, len(ids), _BATCH):
-        found.update(_run_batch(head, ids[s:s + _BATCH], iterations))
+        batch = ids[s:s + _BATCH]
+        for lean in _LEANS if head.bias is not None else (0.0,):
+            settled, reproduced = _run_batch(head, batch, iterations, lean)
+            found.update(settled)
+            # a larger lean only helps where w_k was reproduced and the bias gap alone failed
+            batch = np.array([k for k in batch.tolist() if k not in settled and k in reproduced], dtype=np.int64)
+            if not len(batch):
+                break
         if progress is not None:
             progress.update(min(_BATCH, len(ids) - s))
     return found
@@ -87,22 +107,37 @@ def _ray_points(head: EngineHead, k: torch.Tensor) -> tuple[torch.Tensor, torch.
     return j, mu, p
 
 
+def _bias_lean(head: EngineHead) -> torch.Tensor:
+    """(b_i - mean b) / sigma, sigma the standard deviation of the competitors' biases (0 when they are all one)."""
+    bias = head.bias[head.competitor]
+    spread = float(bias.std(correction=0)) if bias.numel() > 1 else 0.0
+    if not spread > 0:
+        return torch.zeros_like(head.bias)
+    return (head.bias - float(bias.mean())) / spread
+
+
 def _objective(head: EngineHead, theta: torch.Tensor, p: torch.Tensor, mask: torch.Tensor):
     """F(theta) per token and the masked logits theta . w_i (float64)."""
     logits = head.logits(theta) + mask
     return torch.logsumexp(logits, dim=1) - (theta * p).sum(dim=1), logits
 
 
-def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int) -> dict:
+def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float) -> tuple[dict, set[int]]:
+    """({k: certificate} for the tokens settled, the tokens whose point p was reproduced to the goal)."""
     device = head.device
     k = torch.as_tensor(ids, device=device)
-    j, mu, p = _ray_points(head, k)
     batch = len(ids)
+    if head.bias is None:
+        j, mu, p = _ray_points(head, k)
+    else:
+        j, mu, p = torch.full_like(k, -1), torch.ones(batch, dtype=torch.float64, device=device), head.rows64(k)
     rows = torch.arange(batch, device=device)
     # Rivals only: the token itself and the copies of duplicated rows are masked out.
     mask = torch.zeros(batch, head.n, dtype=torch.float64, device=device)
     if head.row_mask is not None:
         mask += head.row_mask[None, :]
+    if head.bias is not None:
+        mask += lean * _bias_lean(head)[None, :]
     mask[rows, k] = -torch.inf
     theta = torch.zeros(batch, head.d, dtype=torch.float64, device=device)
     value, logits = _objective(head, theta, p, mask)
@@ -157,6 +192,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int) -> dict:
         running[live[pending]] = False  # no decrease along a Newton direction: F is flat or unbounded here
 
     found = {}
+    reproduced = {int(t) for t, r in zip(ids.tolist(), (best <= goal).tolist()) if r}
     for b, token in enumerate(ids.tolist()):
         weights = pi[b] / mu[b]
         if int(j[b]) >= 0:
@@ -165,9 +201,11 @@ def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int) -> dict:
         indices = support.cpu().numpy()
         values = weights[support].cpu().numpy()
         check = check_convex(head, token, indices, values)
-        if check.accepted:
+        # With a bias the lean is there to push a bounded domain's dual value below zero; a value that is
+        # zero up to the tolerance (a tie) is left to the exact stage, which finds the tie's own weights.
+        if check.accepted and not (lean and head.domain.bounded and check.residual > 0):
             found[token] = (indices, values, check.residual, check.bias_gap)
-    return found
+    return found, reproduced
 
 
 def _newton_steps(head: EngineHead, pi: torch.Tensor, mean: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""Rows resized the way people resize vocabularies, in the domains that give them a bias.
+
+``transformers``' resize_token_embeddings sets new rows to samples of N(mean, 1e-9 cov): almost
+exactly the mean row. Under a final LayerNorm with a shift beta every row gets the bias w_i . beta,
+and the mean row the mean of those biases: the uniform weights tie it with the others, and only
+weights tilted towards the rows of larger bias prove it strictly. These tests plant the exact mean,
+N(mean, 1e-9 cov) and mean plus small isotropic noise, and check that the batched stages (interior,
+Newton) settle every one of them, so that none costs a per-token LP; the oracle is a plain
+second-order cone program over all rows of the reduced head (W diag(g) P, W beta, radius sqrt(d)).
+"""
+
+import numpy as np
+import pytest
+
+import auditor
+from oracles import ball_margin
+
+
+def resized(old: np.ndarray, rng) -> np.ndarray:
+    """The exact mean, one N(mean, 1e-9 cov) row, and mean + 1e-6 and 1e-3 times N(0, 1)."""
+    rows = old.astype(np.float64)
+    mean = rows.mean(axis=0)
+    d = rows.shape[1]
+    return np.vstack([mean, rng.multivariate_normal(mean, 1e-9 * np.cov(rows.T)),
+                      mean + 1e-6 * rng.standard_normal(d), mean + 1e-3 * rng.standard_normal(d)])
+
+
+def layernorm(d: int, rng) -> auditor.FinalNorm:
+    return auditor.FinalNorm("layernorm", weight=rng.uniform(0.85, 1.15, d), bias=0.04 * rng.standard_normal(d),
+                             eps=1e-12)
+
+
+def reduced_head(W: np.ndarray, norm: auditor.FinalNorm):
+    """The norm's outputs as a ball of radius sqrt(d) for the head W diag(g) P with the bias W beta."""
+    scaled = W * norm.weight
+    return scaled - scaled.mean(axis=1, keepdims=True), W @ norm.bias, np.sqrt(W.shape[1])
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_mean_and_near_mean_rows_under_a_shifted_layernorm_are_settled_without_the_lp(seed):
+    rng = np.random.default_rng(seed)
+    n, d = 600, 24
+    spectrum = np.arange(1, d + 1) ** -0.7  # anisotropic, as trained heads are
+    old = rng.standard_normal((n, d)) * np.sqrt(spectrum) + 0.3 * rng.standard_normal(d)
+    W = np.vstack([old, resized(old, rng)])
+    planted = list(range(n, n + 4))
+    norm = layernorm(d, rng)
+    report = auditor.audit(W, domain="norm", final_norm=norm, progress=False)
+    assert report.counts["inconclusive"] == 0
+    for k in planted:
+        token = report.tokens[k]
+        assert token.verdict == "unargmaxable", k
+        assert token.stage in ("interior", "newton"), (k, token.stage)
+    assert not [t.id for t in report.tokens if t.stage == "lp"]
+    assert auditor.verify(report, W, final_norm=norm).ok
+    rows, bias, radius = reduced_head(W, norm)
+    for k in planted:  # the plain program over all rows: no positive margin anywhere in the ball
+        assert ball_margin(rows, bias, k, radius) < 1e-9
+
+
+@pytest.mark.slow
+def test_resized_rows_of_the_real_head_under_a_shifted_layernorm_cost_no_lp(vocabulary):
+    rng = np.random.default_rng(2)
+    W = np.vstack([vocabulary, resized(vocabulary, rng).astype(np.float32)])
+    norm = layernorm(W.shape[1], rng)
+    report = auditor.audit(W, domain="norm", final_norm=norm, progress=False)
+    assert report.ids("unargmaxable") == [30522, 30523, 30524, 30525]
+    assert report.counts["argmaxable"] == 30522
+    assert not [t.id for t in report.tokens if t.stage == "lp"]
+    assert report.timings["lp"] < 0.01  # the stage had nothing to solve
+    assert auditor.verify(report, W, final_norm=norm).ok
