@@ -84,6 +84,47 @@ def test_sparse_certificates_on_a_larger_head_match_the_plain_lp(rng):
     assert auditor.verify(report, W).ok
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_batched_reductions_keep_each_combination_on_at_most_D_rows(rng, with_bias):
+    from auditor.engine.caratheodory import reduce_supports
+
+    n, d = 900, 10
+    W = rng.standard_normal((n, d))
+    b = rng.standard_normal(n) if with_bias else None
+    head = build_engine_head(torch.from_numpy(W), None if b is None else torch.from_numpy(b),
+                             duplicate_groups(torch.from_numpy(W), None), Unbounded(), 1e-10)
+    certificates = []
+    for j in range(19):  # more than one batch, of different sizes: dense, half, and just above 2D rows
+        size = (n, n // 2, 2 * (d + 3) + 1)[j % 3]
+        indices = np.sort(rng.choice(n, size=size, replace=False))
+        alpha = rng.random(size) ** 4  # uneven weights, as a tilt gives
+        certificates.append((indices, alpha / alpha.sum()))
+    reduced = reduce_supports(head, certificates)
+    D = d + (2 if with_bias else 1)
+    for (indices, alpha), (support, weights) in zip(certificates, reduced):
+        assert support.size <= D and set(support.tolist()) <= set(indices.tolist())
+        assert np.all(weights > 0) and abs(weights.sum() - 1) < 1e-12
+        assert np.linalg.norm(weights @ W[support] - alpha @ W[indices]) < 1e-11 * np.linalg.norm(alpha @ W[indices])
+        if with_bias:
+            assert abs(weights @ b[support] - alpha @ b[indices]) < 1e-11
+
+
+def test_the_batched_elimination_takes_the_steps_of_the_single_one(rng):
+    from auditor.engine.caratheodory import _eliminate, _eliminate_batch
+
+    m, D = 90, 30
+    points = np.stack([np.hstack([rng.standard_normal((m, D - 1)), np.ones((m, 1))]) for _ in range(5)])
+    alpha = rng.random((5, m))
+    alpha /= alpha.sum(axis=1, keepdims=True)
+    batched, failed = _eliminate_batch(torch.from_numpy(points), torch.from_numpy(alpha))
+    assert not failed.any()
+    for j in range(5):
+        single = _eliminate(points[j], alpha[j])
+        assert np.count_nonzero(batched[j].numpy()) == D
+        assert np.array_equal(batched[j].numpy() > 0, single > 0)  # the same rows dropped, in the same order
+        assert np.allclose(batched[j].numpy(), single, rtol=0, atol=1e-12)
+
+
 def test_a_second_mean_initialised_row_is_reduced_from_the_first_ones_pool(rng):
     from auditor.engine.caratheodory import from_pool
     from auditor.engine.certify import check_convex

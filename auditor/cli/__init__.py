@@ -8,6 +8,7 @@ layers below it together and holds no logic of its own.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from auditor._io import send_solver_output_to_stderr
@@ -39,7 +40,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     """--quiet, --debug and --version."""
     parser.add_argument("--quiet", action="store_true", help="no progress bars (they show only when stderr is a terminal)")
     parser.add_argument("--debug", action="store_true",
-                        help="show tracebacks, and the LP solvers' own output on stderr")
+                        help="show tracebacks, the LP solvers' own output and the engine's debug lines on stderr")
     parser.add_argument("--version", action="version", version=f"auditor {__version__}")
 
 
@@ -58,11 +59,38 @@ def checkpoint_final_norm(head, path, needed_by: str, unit_offset: bool):
     return norm
 
 
+def show_debug_log() -> None:
+    """The engine's debug lines (which arithmetic a stage ran in, and why) on stderr, once."""
+    logger = logging.getLogger("auditor")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("auditor: debug: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a line is logged (not the stream found at start-up)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def guarded(prog: str, run, args: argparse.Namespace) -> int:
     """``run(args)``, with every failure turned into one line on stderr and exit 2 (a traceback
     only with --debug, which also sends the solvers' own lines to stderr). Shared by the commands so that
     they fail alike."""
     send_solver_output_to_stderr(bool(getattr(args, "debug", False)))
+    if getattr(args, "debug", False):
+        show_debug_log()
     try:
         return run(args)
     except AuditorError as error:

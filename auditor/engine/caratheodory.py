@@ -186,6 +186,18 @@ def _group_means(head: EngineHead, indices: np.ndarray, alpha: np.ndarray, label
     return np.hstack(columns)
 
 
+def _null_vectors(points: np.ndarray) -> np.ndarray:
+    """(m - D) x m: a basis of the u with u @ points = 0, for m x D points of rank D (see _eliminate)."""
+    m, dim = points.shape
+    columns = points / np.maximum(np.abs(points).max(axis=0), np.finfo(np.float64).tiny)
+    order, lower, _ = scipy.linalg.lu(columns, p_indices=True, check_finite=False)  # columns = lower[order] U
+    head_rows, tail_rows = lower[:dim], lower[dim:]
+    top = -scipy.linalg.solve_triangular(head_rows, tail_rows.T, trans="T", lower=True, unit_diagonal=True,
+                                         check_finite=False)  # dim x (m - dim)
+    basis = np.vstack([top, np.eye(m - dim)])  # null vectors of L^T, in pivoted order
+    return np.ascontiguousarray(basis[order].T)  # back in the points' order
+
+
 def _eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     """Carathéodory by null-space steps: non-negative weights on at most D of the m points with
     ``weights @ points == alpha @ points`` (up to rounding). ``points`` is m x D, ``alpha`` >= 0.
@@ -205,13 +217,7 @@ def _eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     # = 0 iff L^T w = 0 with u = w[order], and with L = [L1; L2] (|entries| <= 1) the vectors [-L1^-T L2^T e_j; e_j]
     # span those (a quarter of the work of a complete QR). Each coordinate is scaled first so that the
     # units of w, b and 1 do not matter.
-    columns = points / np.maximum(np.abs(points).max(axis=0), np.finfo(np.float64).tiny)
-    order, lower, _ = scipy.linalg.lu(columns, p_indices=True, check_finite=False)  # columns = lower[order] U
-    head_rows, tail_rows = lower[:dim], lower[dim:]
-    top = -scipy.linalg.solve_triangular(head_rows, tail_rows.T, trans="T", lower=True, unit_diagonal=True,
-                                         check_finite=False)  # dim x (m - dim)
-    basis = np.vstack([top, np.eye(m - dim)])  # null vectors of L^T, in pivoted order
-    null = np.ascontiguousarray(basis[order].T)  # (m - D) x m, back in the points' order
+    null = _null_vectors(points)
     used = np.zeros((null.shape[0], m))
     triangle = np.zeros((null.shape[0], null.shape[0]))
     dropped: list[int] = []
@@ -247,3 +253,124 @@ def _eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
             dropped.append(out)
             triangle[j, :j + 1] = used[:j + 1, out]
     return alpha
+
+
+_BATCH = 8  # certificates reduced together: one sequence of small steps serves them all
+_BATCH_PANEL = 64  # the batched steps' panel: each step re-reads its panel's earlier vectors
+
+
+def reduce_supports(head: EngineHead, certificates: list[tuple[np.ndarray, np.ndarray]]
+                    ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``reduce_support`` for many certificates at once: the merge rounds of up to _BATCH of them run as
+    one batched elimination (_eliminate_batch), whose sequence of small steps, each a few operations on
+    all the certificates together, costs what one certificate's did; so does the last elimination, on
+    the at most 2D rows left of each."""
+    dim = head.d + (2 if head.bias is not None else 1)
+    groups = 2 * dim
+    states = []
+    for indices, weights in certificates:
+        keep = weights > 0
+        alpha = np.asarray(weights, dtype=np.float64)[keep]
+        states.append([np.asarray(indices)[keep], alpha / alpha.sum()])
+    while True:
+        large = [j for j, (indices, _) in enumerate(states) if indices.size > groups]
+        if not large:
+            break
+        for s in range(0, len(large), _BATCH):
+            batch = large[s:s + _BATCH]
+            labels, masses, means = [], [], []
+            for j in batch:
+                indices, alpha = states[j]
+                label = np.argsort(np.argsort(-alpha, kind="stable"), kind="stable") % groups
+                mass = np.bincount(label, weights=alpha, minlength=groups)
+                labels.append(label)
+                masses.append(mass)
+                means.append(_group_means(head, indices, alpha, label, groups) / mass[:, None])
+            points = torch.as_tensor(np.stack(means), device=head.device)
+            kept, failed = _eliminate_batch(points, torch.as_tensor(np.stack(masses), device=head.device))
+            kept = kept.cpu().numpy()
+            for row, j in enumerate(batch):
+                kept_mass = _eliminate(means[row], masses[row]) if failed[row] else kept[row]
+                indices, alpha = states[j]
+                alpha = alpha * (kept_mass / masses[row])[labels[row]]
+                survive = alpha > 0
+                states[j] = [indices[survive], alpha[survive] / alpha[survive].sum()]
+    # The last elimination, on the rows themselves (at most 2D, a different number per certificate): each
+    # batch is padded to one size with copies of its first row at weight 0 (any weight the steps move onto
+    # them is the first row's).
+    large = [j for j, (indices, _) in enumerate(states) if indices.size > dim]
+    for s in range(0, len(large), _BATCH):
+        batch = large[s:s + _BATCH]
+        size = max(states[j][0].size for j in batch)
+        points, weights = [], []
+        for j in batch:
+            indices, alpha = states[j]
+            lifted = _lifted(head, indices)
+            pad = size - indices.size
+            points.append(np.vstack([lifted, np.repeat(lifted[:1], pad, axis=0)]))
+            weights.append(np.concatenate([alpha, np.zeros(pad)]))
+        kept, failed = _eliminate_batch(torch.as_tensor(np.stack(points), device=head.device),
+                                        torch.as_tensor(np.stack(weights), device=head.device))
+        kept = kept.cpu().numpy()
+        for row, j in enumerate(batch):
+            indices, alpha = states[j]
+            if failed[row]:
+                alpha = _eliminate(points[row][:indices.size], alpha)
+            else:  # weight the steps moved onto the copies goes back to the row they copy
+                alpha = kept[row][:indices.size].copy()
+                alpha[0] += kept[row][indices.size:].sum()
+            survive = alpha > 0
+            states[j] = [indices[survive], alpha[survive]]
+    return [(indices, alpha / alpha.sum()) for indices, alpha in states]
+
+
+def _eliminate_batch(points: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+    """``_eliminate`` for a batch: points B x m x D (m > D), weights B x m >= 0, on the device.
+
+    The same steps as ``_eliminate``, taken for every certificate of the batch together: null vectors
+    from an LU factorisation of each, then m - D steps, each dropping one row per certificate, with the
+    corrections by earlier panels applied by batched triangular solves and products. Returns the new
+    weights and, per certificate, whether a step found no direction to move in (rounding); those are
+    done again by ``_eliminate``.
+    """
+    batch, m, dim = points.shape
+    r = m - dim
+    device = points.device
+    # the null vectors one certificate at a time (an LU factorisation each: a fraction of the steps' cost)
+    null = torch.as_tensor(np.stack([_null_vectors(p) for p in points.cpu().numpy()]), device=device)
+    alpha = alpha.clone()
+    used = torch.zeros(batch, r, m, dtype=points.dtype, device=device)
+    triangle = torch.zeros(batch, r, r, dtype=points.dtype, device=device)
+    dropped = torch.zeros(batch, r, dtype=torch.int64, device=device)
+    alive = torch.ones(batch, m, dtype=torch.bool, device=device)
+    failed = torch.zeros(batch, dtype=torch.bool, device=device)
+    for start in range(0, r, _BATCH_PANEL):
+        panel = null[:, start:start + _BATCH_PANEL].clone()
+        if start:
+            seen = dropped[:, :start]
+            x = torch.linalg.solve_triangular(triangle[:, :start, :start],
+                                              panel.gather(2, seen[:, None, :].expand(-1, panel.shape[1], -1)).mT,
+                                              upper=False)
+            panel -= x.mT @ used[:, :start]
+        for i in range(panel.shape[1]):
+            j = start + i
+            u = panel[:, i]
+            if i:
+                x = torch.linalg.solve_triangular(triangle[:, start:j, start:j], u.gather(1, dropped[:, start:j])[..., None],
+                                                  upper=False)
+                u = u - (x.mT @ used[:, start:j])[:, 0]
+            u = u.masked_fill(~alive, 0.0)
+            u = torch.where((u.amax(dim=1) <= 0)[:, None], -u, u)
+            positive = alive & (u > 0)
+            ratios = torch.where(positive, alpha / torch.where(positive, u, torch.ones_like(u)), torch.inf)
+            step, out = ratios.min(dim=1)
+            stuck = ~torch.isfinite(step)
+            failed |= stuck
+            step = torch.where(stuck, torch.zeros_like(step), step)
+            alpha = (alpha - step[:, None] * u).clamp_(min=0.0)  # rounding may leave -1e-17 where ratios tied
+            alpha.scatter_(1, out[:, None], 0.0)
+            alive.scatter_(1, out[:, None], False)
+            used[:, j] = u
+            dropped[:, j] = out
+            triangle[:, j, :j + 1] = used[:, :j + 1].gather(2, out[:, None, None].expand(-1, j + 1, 1))[..., 0]
+    return alpha, failed.cpu().numpy()

@@ -1,7 +1,8 @@
 """The engine's stage order: ``decide`` runs every requested token through the stages, cheapest first.
 
 1. ties      exact duplicate rows become groups; one representative is decided
-2. screen    one Gram pass checks z = s (w_k - t c) for every token
+2. screen    one Gram pass checks z = s (w_k - t c) for every token (a bfloat16 pass first on large
+             heads without a bias); on large heads, z = s C^+ (w_k - c) for the few left
 3. interior  a closed-form convex combination for rows deep inside the hull
 4. frank-wolfe  batched pairwise Frank-Wolfe on the min-norm problem (no bias), or on
              the domain's dual r ||w_k - sum alpha_i w_i|| + sum alpha_i (b_k - b_i) (balls,
@@ -38,7 +39,8 @@ from auditor.engine.head import EngineHead, build_engine_head, storage_dtype
 from auditor.engine.interior import interior_certificates
 from auditor.engine.lp import lp_decide_all
 from auditor.engine.normal_form import normal_form, to_given_units
-from auditor.engine.screen import screen
+from auditor.engine.rounding import safe_norm
+from auditor.engine.screen import screen, whitened_witnesses
 from auditor.engine.settle import settle_dual, settle_frank_wolfe, sparsify
 from auditor.engine.ties import duplicate_groups
 from auditor.engine.tilt import tilted_certificates
@@ -162,7 +164,18 @@ def _screen(head: EngineHead, out: Decisions, todo: np.ndarray, progress: bool) 
     out.runner_up[todo[won]] = screened.runner_up[won]
     out.witness_shift[todo[won]] = screened.shift[won]
     out.witness_scale[todo[won]] = screened.scale[won]
-    return todo[~won], screened.threat[~won]
+    left, threat = todo[~won], screened.threat[~won]
+    tried, witnesses, check = whitened_witnesses(head, left)
+    if check is not None:
+        sizes = safe_norm(witnesses, dim=1).cpu().numpy()
+        for j, row in enumerate(tried.tolist()):
+            if check.certified[j]:  # the unbounded head without a bias quotes its margin on the unit ball
+                margin = check.margin[j] if head.domain.bounded else check.margin[j] / sizes[j]
+                set_witness(out, int(left[row]), witnesses[j].cpu().numpy(), float(margin), int(check.runner_up[j]),
+                            "screen")
+        keep = out.verdict[left] == UNDECIDED
+        left, threat = left[keep], threat[keep]
+    return left, threat
 
 
 def _interior(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

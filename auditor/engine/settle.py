@@ -13,14 +13,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from auditor.engine.caratheodory import Pool, from_pool, reduce_support
+from auditor.engine.caratheodory import from_pool, reduce_support, reduce_supports
 from auditor.engine.certify import check_convex, check_witnesses, check_witnesses_sharpened
 from auditor.engine.decisions import STAGES, UNDECIDED, Decisions, set_convex, set_witness
 from auditor.engine.head import EngineHead
 from auditor.engine.lp import polish
-
-_POOLS = 2  # pools kept, newest first
-
 
 def settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:
     """Accept Frank-Wolfe witnesses in their final form, and its weights where w_k is inside."""
@@ -91,35 +88,42 @@ def sparsify(head: EngineHead, out: Decisions) -> None:
 
     The reduced weights must pass the same float64 check (re-solved on their
     support by lp.polish when they do not at first); where they still fail, the
-    dense certificate stands. A full reduction leaves a pool of at most 2D rows
-    around the point it reproduced. Later certificates of the interior stage
-    (mean-initialised rows all sit at the centre) move their bulk onto the
-    pool's rows and are reduced by one elimination instead
-    (caratheodory.from_pool).
+    dense certificate stands. The full reductions of a stage's certificates run
+    together (caratheodory.reduce_supports): one batched sequence of elimination
+    steps serves up to 16 of them. A full reduction leaves a pool of at most 2D
+    rows around the point it reproduced; certificates of the interior stage
+    (mean-initialised rows all sit at the centre) first try to move their bulk
+    onto the pool's rows of one reduced before them and be reduced by one
+    elimination (caratheodory.from_pool).
     """
     dim = head.d + (2 if head.bias is not None else 1)
-    pools: list[Pool] = []
-    for k, (indices, weights, _, _) in list(out.convex.items()):
-        if indices.size <= dim:
+    dense = [k for k, (indices, _, _, _) in out.convex.items() if indices.size > dim]
+    interior = [k for k in dense if out.stage[k] == STAGES.index("interior")]
+    # the first interior certificate is reduced alone, for its pool; the others try that pool first
+    pool = None
+    if interior:
+        k = interior[0]
+        support, alpha, pool = reduce_support(head, *out.convex[k][:2])
+        _record(head, out, k, support, alpha, dim)
+    left = []
+    for k in dense:
+        if k in interior[:1]:
             continue
-        found = None
-        near_centre = out.stage[k] == STAGES.index("interior")  # Newton's rows sit near the boundary
-        for pool in pools if near_centre else []:
-            reduced = from_pool(head, pool, k, indices, weights)
-            if reduced is not None and reduced[0].size <= dim:
-                check = check_convex(head, k, *reduced)
-                if check.accepted:
-                    found = (*reduced, check)
-                    break
-        if found is None:
-            support, alpha, pool = reduce_support(head, indices, weights)
-            if near_centre:
-                pools = [pool] + pools[:_POOLS - 1]
-            check = check_convex(head, k, support, alpha)
-            if not check.accepted:
-                support, alpha, check = polish(head, k, support, alpha)
-            if not (check.accepted and support.size <= dim):
+        if pool is not None and k in interior:
+            reduced = from_pool(head, pool, k, *out.convex[k][:2])
+            check = check_convex(head, k, *reduced) if reduced is not None and reduced[0].size <= dim else None
+            if check is not None and check.accepted:
+                set_convex(out, k, *reduced, check.residual, check.bias_gap, STAGES[int(out.stage[k])])
                 continue
-            found = support, alpha, check
-        support, alpha, check = found
+        left.append(k)
+    for k, (support, alpha) in zip(left, reduce_supports(head, [out.convex[k][:2] for k in left])):
+        _record(head, out, k, support, alpha, dim)
+
+
+def _record(head: EngineHead, out: Decisions, k: int, support: np.ndarray, alpha: np.ndarray, dim: int) -> None:
+    """The reduced certificate in place of the dense one when it passes the check (after lp.polish if need be)."""
+    check = check_convex(head, k, support, alpha)
+    if not check.accepted:
+        support, alpha, check = polish(head, k, support, alpha)
+    if check.accepted and support.size <= dim:
         set_convex(out, k, support, alpha, check.residual, check.bias_gap, STAGES[int(out.stage[k])])

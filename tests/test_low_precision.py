@@ -1,0 +1,158 @@
+"""The bfloat16 pass of the screen (auditor/engine/low_precision.py) against plain float64 oracles.
+
+The pass may certify a token only when the exact margin at its witness z = w_k - c is positive beyond
+the float64 re-check. Close calls are planted around the allowance: pairs of rows y_j = (1 - mu) y_k
+along one direction from the centre, with mu spread over a range where bfloat16 rounding decides the
+computed sign. With the allowance as derived no certificate is wrong; with it shrunk, the same pass
+certifies tokens that cannot win there, which is what the allowance is for.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import auditor
+from auditor.domain import parse_domain
+from auditor.engine import low_precision
+from auditor.engine.head import build_engine_head
+from oracles import qhull_argmaxable, witness_wins
+
+
+def close_call_head(rng, d=48, base=600, pairs=150, spread=0.05):
+    """Rows symmetric about a centre c0 (so the mean is c0), and planted pairs (c0 +- v, c0 +- (1 - mu) v)
+    with mu uniform in [-spread, spread]: token c0 + v leads its pair by mu ||v||^2 at z = v."""
+    c0 = 3.0 * rng.standard_normal(d)
+    half = rng.standard_normal((base // 2, d)) * (1 + 0.1 * rng.standard_normal((base // 2, 1)))
+    directions = rng.standard_normal((pairs, d))
+    # lengths about sqrt(d), not equal: own logits ||v||^2 then fall anywhere between bfloat16's grid points
+    directions *= rng.uniform(0.9, 1.1, size=(pairs, 1)) * np.sqrt(d) / np.linalg.norm(directions, axis=1, keepdims=True)
+    mu = rng.uniform(-spread, spread, size=pairs)
+    shorter = (1 - mu)[:, None] * directions
+    offsets = np.vstack([half, -half, directions, -directions, shorter, -shorter])
+    W = (c0 + offsets).astype(np.float32)
+    planted = base + np.arange(pairs)  # the tokens c0 + v
+    return W, planted
+
+
+def exact_margins(W, k_ids, centre):
+    """min_{i != k} (w_k - w_i) . (w_k - c) in float64 (error ~1e-13 of the products, far below the planted leads)."""
+    W64 = W.astype(np.float64)
+    out = []
+    for k in k_ids:
+        z = W64[k] - centre
+        logits = W64 @ z
+        logits[k] = -np.inf
+        out.append(W64[k] @ z - logits.max())
+    return np.array(out)
+
+
+def run_pass(W):
+    head = build_engine_head(torch.from_numpy(W), None, np.arange(W.shape[0]), parse_domain("unbounded"), 1e-10)
+    ids = np.arange(W.shape[0])
+    certified, margin, scale, _ = low_precision.bfloat16_pass(head, ids)
+    return head, ids, certified, margin
+
+
+def test_the_allowance_bounds_every_bfloat16_product_and_is_not_loose(rng):
+    worst = 0.0
+    for d in (16, 384, 4096):
+        x = torch.from_numpy(rng.standard_normal((64, d)).astype(np.float32))
+        y = torch.from_numpy((rng.standard_normal((200, d)) + 0.5).astype(np.float32))
+        exact = x.double() @ y.double().T
+        with low_precision.reduced_precision_off():
+            computed = (x.to(torch.bfloat16) @ y.to(torch.bfloat16).T).double()
+        allowance = low_precision.product_error_factor(d) * (x.double().abs() @ y.double().abs().T)
+        assert torch.all((computed - exact).abs() <= allowance)
+        worst = max(worst, float(((computed - exact).abs() / allowance).max()))
+    assert worst > 0.05  # the bound is of the size of the error, not a vacuous one
+
+
+def bfloat16_margins(W, k_ids, centre):
+    """||y_k||^2 - max_{i != k} of the bfloat16 products, computed here on their own."""
+    Y = (torch.from_numpy(W) - torch.from_numpy(centre).to(torch.float32)).to(torch.bfloat16)
+    with low_precision.reduced_precision_off():
+        products = (Y[k_ids] @ Y.T).double()
+    products[np.arange(len(k_ids)), k_ids] = -np.inf
+    own = ((W[k_ids].astype(np.float64) - centre) ** 2).sum(axis=1)
+    return own - products.max(dim=1).values.numpy()
+
+
+def test_close_calls_at_the_allowance_get_no_certificate_the_pass_cannot_prove(rng):
+    W, planted = close_call_head(rng)
+    head, ids, certified, margin = run_pass(W)
+    centre = head.witness_centre.numpy()
+    exact = exact_margins(W, planted, centre)
+    computed = bfloat16_margins(W, planted, centre)
+    norm_z = np.linalg.norm(W[planted].astype(np.float64) - centre, axis=1)
+    allowance = low_precision.product_error_factor(W.shape[1]) * float(
+        np.linalg.norm(W.astype(np.float64) - centre, axis=1).max()) * norm_z
+    # planted on both sides of the allowance, and below zero
+    assert np.sum((exact > 0) & (exact < allowance)) >= 10
+    assert np.sum(exact > 2 * allowance) >= 10
+    assert np.sum(exact < 0) >= 10
+    assert np.sum((exact < 0) & (computed > 0)) >= 1  # bfloat16 rounding flips some signs
+    got = certified[planted]
+    assert not np.any(got & (computed <= allowance))  # only what the computed lead proves beyond the allowance
+    assert np.all(got[computed > 1.001 * allowance])
+    assert np.all(got[exact > 2 * allowance])
+    assert not np.all(got[(exact > 0) & (exact < allowance)])  # some true leads are too close to prove here
+    for k in ids[certified]:  # every certificate holds, with its stated margin a lower bound
+        z = W[k].astype(np.float64) - centre
+        assert witness_wins(W.astype(np.float64), None, k, z)
+    assert np.all(margin[planted][got] * norm_z[got] <= exact[got])
+
+
+def test_with_the_allowance_shrunk_the_pass_certifies_tokens_that_cannot_win_there(rng, monkeypatch):
+    W, planted = close_call_head(rng, spread=0.004)
+    phi = low_precision.product_error_factor
+    monkeypatch.setattr(low_precision, "product_error_factor", lambda d: phi(d) / 256)
+    head, ids, certified, _ = run_pass(W)
+    exact = exact_margins(W, planted, head.witness_centre.numpy())
+    wrong = certified[planted] & (exact < 0)
+    assert wrong.sum() >= 1  # certificates of tokens that lose at their witness: the allowance prevents these
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_audits_through_the_bfloat16_pass_match_qhull(seed, monkeypatch):
+    monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 0)  # the pass on a head small enough for Qhull
+    rng = np.random.default_rng(seed)
+    W, planted = close_call_head(rng, d=5, base=300, pairs=60, spread=0.01)
+    report = auditor.audit(W, progress=False)
+    assert report.counts["inconclusive"] == 0
+    assert set(report.ids("argmaxable")) == qhull_argmaxable(W.astype(np.float64))
+    assert auditor.verify(report, W).ok
+
+
+def test_the_pass_runs_where_its_probe_passes_and_is_skipped_where_it_fails(monkeypatch):
+    W = np.random.default_rng(3).standard_normal((3000, 1400)).astype(np.float32)  # above the size threshold
+    head = build_engine_head(torch.from_numpy(W), None, np.arange(3000), parse_domain("unbounded"), 1e-10)
+    assert low_precision.accumulates_as_assumed(head.device)  # this backend accumulates in float32
+    assert low_precision.applies(head)
+    monkeypatch.setattr(low_precision, "_probed", {str(head.device): False})
+    assert not low_precision.applies(head)
+
+
+def test_debug_says_which_arithmetic_the_screen_used(tmp_path, monkeypatch, capsys):
+    from safetensors.numpy import save_file
+
+    from auditor.cli.audit import main
+
+    import logging
+
+    logger = logging.getLogger("auditor")
+    monkeypatch.setattr(logger, "handlers", [])  # what --debug adds is taken away after the test
+    monkeypatch.setattr(logger, "level", logger.level)
+    monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 0)
+    W = np.random.default_rng(4).standard_normal((400, 8)).astype(np.float32)
+    save_file({"lm_head.weight": W}, str(tmp_path / "head.safetensors"))
+    main([str(tmp_path / "head.safetensors"), "--debug", "--quiet", "--fail-on", "none", "--format", "json"])
+    first = capsys.readouterr()
+    assert "bfloat16 screen on cpu:" in first.err and "tokens proved" in first.err
+    monkeypatch.setattr(low_precision, "_probed", {"cpu": False})
+    main([str(tmp_path / "head.safetensors"), "--debug", "--quiet", "--fail-on", "none", "--format", "json"])
+    captured = capsys.readouterr()
+    assert "bfloat16 screen off on cpu" in captured.err and "float32 screen decides every token" in captured.err
+    assert "tokens proved" not in captured.err
+    assert json.loads(captured.out)["summary"] == json.loads(first.out)["summary"]  # the same verdicts either way
