@@ -1,0 +1,44 @@
+"""The screen's whitened candidate z = s C^+ (w_k - m), for the tokens its formula witnesses leave,
+checked against Qhull and against the float64 re-check of every witness."""
+
+import numpy as np
+import pytest
+import torch
+
+import auditor
+from auditor.engine import screen as screen_module
+from oracles import ball_margin, qhull_argmaxable, witness_wins
+
+
+def long_thin_head(rng, n=400, d=5):
+    """Rows of a long, thin, tilted cloud: many rim rows do not lead at w_k or w_k - m."""
+    spectrum = np.array([30.0, 6.0, 1.0, 0.3, 0.1])[:d]
+    rotation, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    return (rng.standard_normal((n, d)) * spectrum) @ rotation.T + 4.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_whitened_candidate_proves_only_argmaxable_tokens_and_matches_qhull(seed, monkeypatch):
+    W = long_thin_head(np.random.default_rng(seed))
+    without = auditor.audit(W, progress=False)  # this head is below the size the candidate starts at
+    monkeypatch.setattr(screen_module, "_WHITENED_ENTRIES", 0)  # on a head small enough for Qhull
+    report = auditor.audit(W, progress=False)
+    by_search = {t.id for t in without.tokens if t.verdict == "argmaxable" and t.stage != "screen"}
+    now_screened = {t.id for t in report.tokens if t.verdict == "argmaxable" and t.stage == "screen"} & by_search
+    assert len(now_screened) >= 3  # the candidate proves tokens the formula witnesses did not
+    for k in now_screened:
+        assert witness_wins(W, None, k, np.asarray(report.tokens[k].witness))
+    assert set(report.ids("argmaxable")) == qhull_argmaxable(W)
+    assert auditor.verify(report, W).ok
+
+
+def test_in_a_ball_the_whitened_witnesses_stay_inside_and_match_the_cone_program(monkeypatch):
+    monkeypatch.setattr(screen_module, "_WHITENED_ENTRIES", 0)
+    W = long_thin_head(np.random.default_rng(5), n=150)
+    report = auditor.audit(W, domain="ball:0.5", progress=False)
+    for token in report.tokens:
+        if token.stage == "screen" and token.witness is not None:
+            assert np.linalg.norm(token.witness) <= 0.5
+    for k in range(0, 150, 10):  # the verdict agrees with the program over the ball
+        assert (ball_margin(W, None, k, 0.5) > 1e-9) == (report.tokens[k].verdict == "argmaxable"), k
+    assert auditor.verify(report, W).ok
