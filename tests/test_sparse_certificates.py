@@ -141,3 +141,25 @@ def test_a_second_mean_initialised_row_is_reduced_from_the_first_ones_pool(rng):
     assert check_convex(head, 2001, support, weights).accepted
     W64 = W.numpy().astype(np.float64)
     assert np.linalg.norm(weights @ W64[support] - W64[2001]) < 1e-12 * np.linalg.norm(W64[2001])
+
+
+def test_the_first_mean_initialised_row_is_reduced_through_rows_drawn_around_the_centre(rng):
+    from auditor.engine.caratheodory import from_pool, spread_pool
+    from auditor.engine.certify import check_convex
+    from auditor.engine.interior import interior_certificates
+
+    W = anisotropic(rng, 3000, 16)
+    W = torch.from_numpy(np.vstack([W, mean_initialised(W, 2, rng)]))
+    head = build_engine_head(W, None, duplicate_groups(W, None), Unbounded(), 1e-10)
+    found = interior_certificates(head, np.array([3000, 3001]))
+    pool = spread_pool(head, np.array([3000, 3001]))
+    assert pool.indices.size == 3 * 17 and not {3000, 3001} & set(pool.indices.tolist())
+    narrowed = []
+    support, weights = from_pool(head, pool, 3000, *found[3000][:2], narrowed=narrowed)
+    assert support.size <= 17 and 3000 not in support
+    assert check_convex(head, 3000, support, weights).accepted
+    assert len(narrowed) == 1 and narrowed[0].indices.size <= 2 * 17  # the rows the next one starts from
+    support, weights = from_pool(head, narrowed[0], 3001, *found[3001][:2])
+    assert support.size <= 17 and check_convex(head, 3001, support, weights).accepted
+    W64 = W.numpy().astype(np.float64)
+    assert np.linalg.norm(weights @ W64[support] - W64[3001]) < 1e-12 * np.linalg.norm(W64[3001])

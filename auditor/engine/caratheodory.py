@@ -68,6 +68,20 @@ def reduce_support(head: EngineHead, indices: np.ndarray, weights: np.ndarray
     return indices, alpha / alpha.sum(), pool
 
 
+def spread_pool(head: EngineHead, exclude: np.ndarray, seed: int = 0) -> Pool | None:
+    """A pool of 3D rows drawn at random (a fixed seed) from the competitors outside ``exclude``: their hull
+    holds a region around the centre of the head (by Wendel's theorem m points drawn symmetrically about
+    a point in d dimensions miss it with the probability that m - 1 fair coins show fewer than d heads:
+    about 1/2 at m = 2d, and below 10^-20 at m = 3d for d >= 300), so the first certificate near the centre can
+    use ``from_pool`` too instead of a full reduction. None when there are too few rows."""
+    dim = head.d + (2 if head.bias is not None else 1)
+    rows = np.setdiff1d(torch.nonzero(head.competitor).flatten().cpu().numpy(), exclude)
+    if rows.size <= 3 * dim:
+        return None
+    chosen = np.sort(np.random.default_rng(seed).choice(rows, size=3 * dim, replace=False))
+    return Pool(chosen, _lifted(head, chosen))
+
+
 @dataclass
 class Pool:
     """At most 2D rows around a point that a full reduction passed through (its last merge round),
@@ -79,14 +93,16 @@ class Pool:
 
 
 def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights: np.ndarray,
-              heaviest: int = 8) -> tuple[np.ndarray, np.ndarray] | None:
+              heaviest: int = 8, narrowed: list[Pool] | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """Reduce token k's certificate, whose bulk lies near a pool of rows, without a full reduction.
 
     The certificate's ``heaviest`` rows keep their weights; the rest of its mass
     is moved onto the pool's rows as the maximum-entropy combination that
     reproduces the rest's point (all weights positive when that point is inside
     the pool's hull), and the union, at most 2D + ``heaviest`` rows, is reduced
-    by one elimination. None when the pool does not surround the point.
+    by one elimination. None when the pool does not surround the point. A pool of more than 2D rows
+    takes one merge round first; its last round's at most 2D rows, a pool around this point, are
+    appended to ``narrowed`` when given.
     """
     order = np.argsort(-weights, kind="stable")
     top, rest = order[:heaviest], order[heaviest:]
@@ -106,6 +122,12 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
     union, position = np.unique(np.concatenate([indices[top], pool.indices[others]]), return_inverse=True)
     alpha = np.zeros(union.size)
     np.add.at(alpha, position, np.concatenate([weights[top], mass * spread]))
+    dim = head.d + (2 if head.bias is not None else 1)
+    if union.size > 2 * dim:  # a large pool: one merge round first
+        union, alpha, last = reduce_support(head, union, alpha)
+        if narrowed is not None:
+            narrowed.append(last)
+        return union, alpha
     alpha = _eliminate(_lifted(head, union), alpha)
     survive = alpha > 0
     return union[survive], alpha[survive] / alpha[survive].sum()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from auditor.engine.caratheodory import from_pool, reduce_support, reduce_supports
+from auditor.engine.caratheodory import from_pool, reduce_supports, spread_pool
 from auditor.engine.certify import check_convex, check_witnesses, check_witnesses_sharpened
 from auditor.engine.decisions import STAGES, UNDECIDED, Decisions, set_convex, set_witness
 from auditor.engine.head import EngineHead
@@ -90,32 +90,29 @@ def sparsify(head: EngineHead, out: Decisions) -> None:
     support by lp.polish when they do not at first); where they still fail, the
     dense certificate stands. The full reductions of a stage's certificates run
     together (caratheodory.reduce_supports): one batched sequence of elimination
-    steps serves up to 16 of them. A full reduction leaves a pool of at most 2D
-    rows around the point it reproduced; certificates of the interior stage
+    steps serves up to 8 of them. Certificates of the interior stage
     (mean-initialised rows all sit at the centre) first try to move their bulk
-    onto the pool's rows of one reduced before them and be reduced by one
-    elimination (caratheodory.from_pool).
+    onto a pool of rows around the centre and be reduced by one or two
+    eliminations (caratheodory.from_pool): the at most 2D rows the previous one
+    passed through, else 3D rows drawn around the centre (caratheodory.spread_pool).
     """
     dim = head.d + (2 if head.bias is not None else 1)
     dense = [k for k, (indices, _, _, _) in out.convex.items() if indices.size > dim]
     interior = [k for k in dense if out.stage[k] == STAGES.index("interior")]
-    # the first interior certificate is reduced alone, for its pool; the others try that pool first
-    pool = None
-    if interior:
-        k = interior[0]
-        support, alpha, pool = reduce_support(head, *out.convex[k][:2])
-        _record(head, out, k, support, alpha, dim)
+    # Interior certificates try pools first: the at most 2D rows around the centre that the last one
+    # reduced passed through, then 3D rows drawn around the centre.
+    spread = spread_pool(head, np.array(dense, dtype=np.int64)) if interior else None
+    narrowed: list = []
     left = []
     for k in dense:
-        if k in interior[:1]:
-            continue
-        if pool is not None and k in interior:
-            reduced = from_pool(head, pool, k, *out.convex[k][:2])
+        for pool in (narrowed[-1:] + [spread]) if spread is not None and k in interior else []:
+            reduced = from_pool(head, pool, k, *out.convex[k][:2], narrowed=narrowed)
             check = check_convex(head, k, *reduced) if reduced is not None and reduced[0].size <= dim else None
             if check is not None and check.accepted:
                 set_convex(out, k, *reduced, check.residual, check.bias_gap, STAGES[int(out.stage[k])])
-                continue
-        left.append(k)
+                break
+        else:
+            left.append(k)
     for k, (support, alpha) in zip(left, reduce_supports(head, [out.convex[k][:2] for k in left])):
         _record(head, out, k, support, alpha, dim)
 
