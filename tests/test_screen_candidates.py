@@ -3,7 +3,6 @@ checked against Qhull and against the float64 re-check of every witness."""
 
 import numpy as np
 import pytest
-import torch
 
 import auditor
 from auditor.engine import screen as screen_module
