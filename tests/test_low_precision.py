@@ -156,3 +156,48 @@ def test_debug_says_which_arithmetic_the_screen_used(tmp_path, monkeypatch, caps
     assert "bfloat16 screen off on cpu" in captured.err and "float32 screen decides every token" in captured.err
     assert "tokens proved" not in captured.err
     assert json.loads(captured.out)["summary"] == json.loads(first.out)["summary"]  # the same verdicts either way
+
+
+def test_with_a_bias_in_a_ball_the_pass_certifies_only_what_wins_there(rng, monkeypatch):
+    from oracles import ball_margin
+
+    monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 0)
+    W, planted = close_call_head(rng, d=24, base=300, pairs=60)
+    b = 0.3 * rng.standard_normal(W.shape[0])
+    head = build_engine_head(torch.from_numpy(W), torch.from_numpy(b), np.arange(W.shape[0]), parse_domain("ball:2"),
+                             1e-10)
+    assert low_precision.applies(head)
+    ids = np.arange(W.shape[0])
+    certified, margin, scale, _ = low_precision.bfloat16_pass(head, ids)
+    assert certified.sum() > W.shape[0] // 2  # most tokens, and not the close calls alone
+    centre = head.witness_centre.numpy()
+    W64 = W.astype(np.float64)
+    for k in ids[certified]:
+        z = scale[k] * (W64[k] - centre)
+        assert np.linalg.norm(z) <= 2.0
+        logits = W64 @ z + b
+        lead = logits[k] - np.delete(logits, k).max()
+        assert lead > 0 and margin[k] <= lead  # it wins there, by at least the margin stated
+    report = auditor.audit(W, b, domain="ball:2", progress=False)
+    assert report.counts["inconclusive"] == 0
+    for k in planted[:12]:  # the close calls against the cone program over all rows
+        assert (ball_margin(W64, b, k, 2.0) > 1e-9) == (report.tokens[k].verdict == "argmaxable"), k
+    assert auditor.verify(report, W, b).ok
+
+
+def test_the_norm_domain_is_screened_in_bfloat16_and_its_witnesses_win_through_the_norm(monkeypatch):
+    monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 0)
+    calls = []
+    original = low_precision.bfloat16_pass
+    monkeypatch.setattr(low_precision, "bfloat16_pass", lambda *a, **k: calls.append(1) or original(*a, **k))
+    rng = np.random.default_rng(6)
+    W = (rng.standard_normal((500, 16)) * np.linspace(2, 0.3, 16) + 0.4).astype(np.float32)
+    norm = auditor.FinalNorm("layernorm", weight=rng.uniform(0.85, 1.15, 16), bias=0.04 * rng.standard_normal(16),
+                             eps=1e-12)
+    report = auditor.audit(W, domain="norm", final_norm=norm, progress=False)
+    assert calls  # the reduced head (float64, derived rows, a bias) went through the pass
+    assert report.counts["inconclusive"] == 0
+    assert auditor.verify(report, W, final_norm=norm).ok
+    monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 1 << 60)
+    without = auditor.audit(W, domain="norm", final_norm=norm, progress=False)
+    assert [t.verdict for t in without.tokens] == [t.verdict for t in report.tokens]

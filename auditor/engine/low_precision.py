@@ -42,6 +42,7 @@ import logging
 import numpy as np
 import torch
 
+from auditor.engine.certify import derived_error
 from auditor.engine.head import EngineHead, robust_row_norms
 from auditor.engine.rounding import UNIT_ROUNDOFF_32, gamma, safe_norm
 
@@ -110,10 +111,11 @@ def accumulates_as_assumed(device: torch.device) -> bool:
 
 
 def applies(head: EngineHead) -> bool:
-    """The pass covers float32 heads without a bias whose rows are exact (not derived), when they are large
-    enough for it to pay and the device's product accumulates as the allowance assumes."""
-    if not (head.weight.dtype == torch.float32 and head.bias is None and head.row_error is None
-            and head.n * head.d >= _MIN_ENTRIES):
+    """The pass covers heads without a bias in any domain and heads with one in a bounded domain (the norm
+    domain's reduced head among them), of at least _MIN_ENTRIES entries, with rows and biases in a range
+    where bfloat16 keeps its relative precision, on a device whose product accumulates as assumed."""
+    if not (head.n * head.d >= _MIN_ENTRIES and (head.bias is None or head.domain.bounded)
+            and 2.0**-40 <= head.typical_spread and head.max_row_norm <= 2.0**40 and head.max_abs_bias <= 2.0**60):
         return False
     if not accumulates_as_assumed(head.device):
         log.debug("bfloat16 screen off on %s: its bfloat16 products do not keep within the allowance "
@@ -122,25 +124,51 @@ def applies(head: EngineHead) -> bool:
     return True
 
 
+def _centred_rows(head: EngineHead) -> torch.Tensor:
+    """bf16(w_i - c) by blocks: for a float32 head the difference is a float32 operation (c is a float32
+    vector), for a float64 one a float64 operation, either way one rounding before bfloat16's."""
+    rows = torch.empty(head.n, head.d, dtype=torch.bfloat16, device=head.device)
+    centre = head.witness_centre.to(head.weight.dtype)
+    for s in range(0, head.n, 4096):
+        rows[s:s + 4096] = (head.weight[s:s + 4096] - centre).to(torch.bfloat16)
+    return rows
+
+
+def _scales_towards_zero(scale: torch.Tensor) -> torch.Tensor:
+    """float32 values at most ``scale`` (a witness scaled by one stays in the domain), as float64."""
+    rounded = scale.to(torch.float32)
+    high = rounded.to(torch.float64) > scale
+    rounded[high] = torch.nextafter(rounded[high], torch.zeros_like(rounded[high]))
+    return rounded.to(torch.float64)
+
+
 def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None):
-    """(certified, margin, scale, runner_up) for tokens ``ids`` at the witnesses z = s (w_k - c): ``margin`` a
-    lower bound on the exact margin (unit-ball margin when unbounded, as the float32 pass reports it)."""
+    """(certified, margin, scale, runner_up) for tokens ``ids`` at the witnesses z = s (w_k - c), s = 1 when
+    unbounded and otherwise the largest scale inside the domain: ``margin`` a lower bound on the exact
+    margin (the unit-ball margin when unbounded, as the float32 pass reports it).
+
+    With a bias b the logits at z are s y_i . y_k + b_i + s c . y_k; the last term is common to all.
+    The products are scaled and the biases added in float32, each a rounding of u = 2^-24 more on
+    magnitudes at most s (1 + phi) R ||y_k|| and max |b_i|, and the biases' own rounding to float32 is
+    measured once."""
     device, n, d = head.device, head.n, head.d
     count = len(ids)
     certified = np.zeros(count, dtype=bool)
     margin = np.full(count, -np.inf)
     scale = np.ones(count)
     runner_up = np.full(count, -1, dtype=np.int64)
-    centre = head.witness_centre.to(torch.float32)
-    rows = torch.empty(n, d, dtype=torch.bfloat16, device=device)
-    for s in range(0, n, 4096):
-        rows[s:s + 4096] = (head.weight[s:s + 4096] - centre).to(torch.bfloat16)
+    rows = _centred_rows(head)
     size = robust_row_norms(head.weight, head.witness_centre) * (1 + gamma(d + 2))  # >= ||w_i - c||
     reach = float(size[head.competitor].max())
     phi = product_error_factor(d)
     others = torch.nonzero(~head.competitor).flatten()  # copies of duplicated rows: never rivals
     chunk = max(1, min(count, 4096, _BLOCK_BUDGET // n))
     gram = torch.empty(chunk, n, dtype=torch.bfloat16, device=device)
+    biased = head.bias is not None
+    if biased:
+        bias32 = head.bias.to(torch.float32)
+        bias_rounding = float((head.bias - bias32.to(torch.float64)).abs().max())
+        scratch = torch.empty(chunk, n, dtype=torch.float32, device=device)
     with reduced_precision_off():
         for start in range(0, count, chunk):
             part = slice(start, min(start + chunk, count))
@@ -151,25 +179,40 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None):
             block[cols, k] = -torch.inf  # the token is not its own rival
             if others.numel():
                 block.index_fill_(1, others, -torch.inf)
-            top, rival = block.max(dim=1)
+            directions = head.rows64(k) - head.witness_centre
+            s_k = (_scales_towards_zero(head.domain.largest_scales(directions)) if head.domain.bounded
+                   else torch.ones(k.numel(), dtype=torch.float64, device=device))
             own = size[k] / (1 + gamma(d + 2))  # the computed norm, within gamma_{d+2} of ||y_k||
             own_low = own * own * (1 - 4 * gamma(d + 4))  # <= ||y_k||^2
-            top = top.to(torch.float64)
             allowance = phi * reach * size[k] + underflow_allowance(d, reach, size[k])
+            if biased:
+                logits = scratch[:k.numel()]
+                torch.mul(block, s_k.to(torch.float32)[:, None], out=logits)  # exact scales: float32 values
+                logits += bias32[None, :]
+                top, rival = logits.max(dim=1)
+                top = top.to(torch.float64)
+                lead = s_k * own_low + head.bias[k]
+                slack = (s_k * allowance + bias_rounding
+                         + 2.01 * UNIT_ROUNDOFF_32 * (s_k * (1 + phi) * reach * size[k] + head.max_abs_bias))
+            else:
+                top, rival = block.max(dim=1)
+                top = s_k * top.to(torch.float64)
+                lead = s_k * own_low
+                slack = s_k * allowance
             # and the rounding of this float64 arithmetic itself (a few operations on these magnitudes)
-            lower = own_low - top - allowance - 8 * 2.0**-53 * (own_low + top.abs() + allowance)
-            directions = head.rows64(k) - head.witness_centre
-            s_k = head.domain.largest_scales(directions) if head.domain.bounded else torch.ones_like(lower)
-            # what the float64 re-check of z = s y_k needs: its rounding bound and the verdict rule's lead
+            lower = lead - top - slack - 8 * 2.0**-53 * (lead.abs() + top.abs() + slack)
+            # what the float64 re-check of z = s y_k needs: its rounding bound, the derived rows' error
+            # bounds (the norm domain's), and the verdict rule's lead
             norm_z = s_k * safe_norm(directions, dim=1) * (1 + 2.0**-20)
-            needed = (head.error_factor * (head.row_norm[k] + head.max_row_norm) * norm_z + head.underflow_floor
-                      + head.witness_lead(k, norm_z))
-            won = (s_k * lower * (1 - 2.0**-52) > needed) & torch.isfinite(top)
+            needed = (head.error_factor * ((head.row_norm[k] + head.max_row_norm) * norm_z + head.max_abs_bias
+                                           + (head.bias[k].abs() if biased else 0.0))
+                      + head.underflow_floor + derived_error(head, k, norm_z) + head.witness_lead(k, norm_z))
+            won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top)
             if head.domain.bounded:
                 won &= head.domain.contains_rows(directions * s_k[:, None], safe_norm)
             won_np = won.cpu().numpy()
             certified[part] = won_np
-            reported = (lower * s_k) if head.domain.bounded else lower / (size[k])
+            reported = lower if head.domain.bounded else lower / size[k]
             margin[part] = np.where(won_np, reported.cpu().numpy(), -np.inf)
             scale[part] = s_k.cpu().numpy()
             runner_up[part] = rival.cpu().numpy()

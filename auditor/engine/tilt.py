@@ -62,11 +62,14 @@ def tilted_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 40,
         return found
     for s in range(0, len(ids), _BATCH):
         batch = ids[s:s + _BATCH]
+        start = None
         for lean in _LEANS if head.bias is not None else (0.0,):
-            settled, reproduced = _run_batch(head, batch, iterations, lean)
+            settled, reproduced, theta = _run_batch(head, batch, iterations, lean, start)
             found.update(settled)
-            # a larger lean only helps where w_k was reproduced and the bias gap alone failed
-            batch = np.array([k for k in batch.tolist() if k not in settled and k in reproduced], dtype=np.int64)
+            # a larger lean only helps where w_k was reproduced and the bias gap alone failed; it starts
+            # from the theta that reproduced it under the smaller lean
+            keep = np.array([k not in settled and k in reproduced for k in batch.tolist()], dtype=bool)
+            batch, start = batch[keep], theta[torch.as_tensor(keep, device=theta.device)]
             if not len(batch):
                 break
         if progress is not None:
@@ -122,8 +125,10 @@ def _objective(head: EngineHead, theta: torch.Tensor, p: torch.Tensor, mask: tor
     return torch.logsumexp(logits, dim=1) - (theta * p).sum(dim=1), logits
 
 
-def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float) -> tuple[dict, set[int]]:
-    """({k: certificate} for the tokens settled, the tokens whose point p was reproduced to the goal)."""
+def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float,
+               start: torch.Tensor | None = None) -> tuple[dict, set[int], torch.Tensor]:
+    """({k: certificate} for the tokens settled, the tokens whose point p was reproduced to the goal, and
+    the final theta of each token), from theta = ``start`` (zero when None)."""
     device = head.device
     k = torch.as_tensor(ids, device=device)
     batch = len(ids)
@@ -139,7 +144,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float) 
     if head.bias is not None:
         mask += lean * _bias_lean(head)[None, :]
     mask[rows, k] = -torch.inf
-    theta = torch.zeros(batch, head.d, dtype=torch.float64, device=device)
+    theta = torch.zeros(batch, head.d, dtype=torch.float64, device=device) if start is None else start.clone()
     value, logits = _objective(head, theta, p, mask)
     # The residual the certificate may rest on; the check adds its rounding bound, about 2 n u ||w||.
     goal = torch.tensor([head.residual_tolerance(int(t)) for t in ids], dtype=torch.float64, device=device)
@@ -205,7 +210,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float) 
         # zero up to the tolerance (a tie) is left to the exact stage, which finds the tie's own weights.
         if check.accepted and not (lean and head.domain.bounded and check.residual > 0):
             found[token] = (indices, values, check.residual, check.bias_gap)
-    return found, reproduced
+    return found, reproduced, theta
 
 
 def _newton_steps(head: EngineHead, pi: torch.Tensor, mean: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
