@@ -143,8 +143,8 @@ def test_a_second_mean_initialised_row_is_reduced_from_the_first_ones_pool(rng):
     assert np.linalg.norm(weights @ W64[support] - W64[2001]) < 1e-12 * np.linalg.norm(W64[2001])
 
 
-def test_the_first_mean_initialised_row_is_reduced_through_rows_drawn_around_the_centre(rng):
-    from auditor.engine.caratheodory import from_pool, spread_pool
+def test_mean_initialised_rows_are_reduced_through_rows_drawn_around_the_centre(rng):
+    from auditor.engine.caratheodory import centre_pool, from_pool, spread_pool
     from auditor.engine.certify import check_convex
     from auditor.engine.interior import interior_certificates
 
@@ -152,14 +152,14 @@ def test_the_first_mean_initialised_row_is_reduced_through_rows_drawn_around_the
     W = torch.from_numpy(np.vstack([W, mean_initialised(W, 2, rng)]))
     head = build_engine_head(W, None, duplicate_groups(W, None), Unbounded(), 1e-10)
     found = interior_certificates(head, np.array([3000, 3001]))
-    pool = spread_pool(head, np.array([3000, 3001]))
-    assert pool.indices.size == 3 * 17 and not {3000, 3001} & set(pool.indices.tolist())
-    narrowed = []
-    support, weights = from_pool(head, pool, 3000, *found[3000][:2], narrowed=narrowed)
-    assert support.size <= 17 and 3000 not in support
-    assert check_convex(head, 3000, support, weights).accepted
-    assert len(narrowed) == 1 and narrowed[0].indices.size <= 2 * 17  # the rows the next one starts from
-    support, weights = from_pool(head, narrowed[0], 3001, *found[3001][:2])
-    assert support.size <= 17 and check_convex(head, 3001, support, weights).accepted
+    spread = spread_pool(head)
+    assert spread.indices.size == 3 * 17
+    centre = centre_pool(head, spread)
+    assert centre is not None and centre.indices.size <= 2 * 17
     W64 = W.numpy().astype(np.float64)
-    assert np.linalg.norm(weights @ W64[support] - W64[3001]) < 1e-12 * np.linalg.norm(W64[3001])
+    for pool in (spread, centre):
+        for k in (3000, 3001):
+            support, weights = from_pool(head, pool, k, *found[k][:2])
+            assert support.size <= 17 and k not in support
+            assert check_convex(head, k, support, weights).accepted
+            assert np.linalg.norm(weights @ W64[support] - W64[k]) < 1e-12 * np.linalg.norm(W64[k])

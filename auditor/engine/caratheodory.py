@@ -68,18 +68,31 @@ def reduce_support(head: EngineHead, indices: np.ndarray, weights: np.ndarray
     return indices, alpha / alpha.sum(), pool
 
 
-def spread_pool(head: EngineHead, exclude: np.ndarray, seed: int = 0) -> Pool | None:
-    """A pool of 3D rows drawn at random (a fixed seed) from the competitors outside ``exclude``: their hull
-    holds a region around the centre of the head (by Wendel's theorem m points drawn symmetrically about
-    a point in d dimensions miss it with the probability that m - 1 fair coins show fewer than d heads:
-    about 1/2 at m = 2d, and below 10^-20 at m = 3d for d >= 300), so the first certificate near the centre can
-    use ``from_pool`` too instead of a full reduction. None when there are too few rows."""
+def spread_pool(head: EngineHead, seed: int = 0) -> Pool | None:
+    """A pool of 3D rows drawn at random (a fixed seed) from the competitors: their hull holds a region
+    around the centre of the head (by Wendel's theorem m points drawn symmetrically about a point in d
+    dimensions miss it with the probability that m - 1 fair coins show fewer than d heads: about 1/2 at
+    m = 2d, and below 10^-20 at m = 3d for d >= 300), so a certificate near the centre can use
+    ``from_pool`` instead of a full reduction. A function of the head alone, so that a token's
+    certificate does not depend on which other tokens are decided with it. None when there are too
+    few rows."""
     dim = head.d + (2 if head.bias is not None else 1)
-    rows = np.setdiff1d(torch.nonzero(head.competitor).flatten().cpu().numpy(), exclude)
+    rows = torch.nonzero(head.competitor).flatten().cpu().numpy()
     if rows.size <= 3 * dim:
         return None
     chosen = np.sort(np.random.default_rng(seed).choice(rows, size=3 * dim, replace=False))
     return Pool(chosen, _lifted(head, chosen))
+
+
+def centre_pool(head: EngineHead, spread: Pool) -> Pool | None:
+    """At most 2D rows around the centre of the head: those the uniform weights on the competitors pass
+    through when moved onto ``spread`` and reduced (from_pool's merge round). Mean-initialised rows sit
+    so near the centre that this smaller pool surrounds them too, and, like ``spread``, it depends on
+    the head alone. None when the spread pool does not surround the centre."""
+    rows = torch.nonzero(head.competitor).flatten().cpu().numpy()
+    narrowed: list[Pool] = []
+    found = from_pool(head, spread, -1, rows, np.full(rows.size, 1.0 / rows.size), narrowed=narrowed)
+    return narrowed[0] if found is not None and narrowed else None
 
 
 @dataclass
@@ -126,7 +139,7 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
     if union.size > 2 * dim:  # a large pool: one merge round first
         union, alpha, last = reduce_support(head, union, alpha)
         if narrowed is not None:
-            narrowed.append(last)
+            narrowed[:] = [last]  # one pool kept: the newest
         return union, alpha
     alpha = _eliminate(_lifted(head, union), alpha)
     survive = alpha > 0
@@ -318,12 +331,12 @@ def reduce_supports(head: EngineHead, certificates: list[tuple[np.ndarray, np.nd
                 survive = alpha > 0
                 states[j] = [indices[survive], alpha[survive] / alpha[survive].sum()]
     # The last elimination, on the rows themselves (at most 2D, a different number per certificate): each
-    # batch is padded to one size with copies of its first row at weight 0 (any weight the steps move onto
-    # them is the first row's).
+    # certificate is padded to 2D rows with copies of its first row at weight 0 (any weight the steps move
+    # onto them is the first row's).
     large = [j for j, (indices, _) in enumerate(states) if indices.size > dim]
     for s in range(0, len(large), _BATCH):
         batch = large[s:s + _BATCH]
-        size = max(states[j][0].size for j in batch)
+        size = 2 * dim  # the same for every certificate, so that none depends on its batch
         points, weights = [], []
         for j in batch:
             indices, alpha = states[j]

@@ -2,37 +2,44 @@
 
 On CPUs with AVX512-BF16 and on GPUs a bfloat16 product runs about five times
 (CPU) to fifteen times (H100) faster than a float32 one. The pass tries, for
-every token k, the centred self-direction z = y_k = w_k - c (c the head's
-witness centre, a float32 vector): rival i scores w_i . z, and since every
-logit moves by the same c . z, the margin is y_k . y_k - max_i y_i . y_k.
+every token k, the witness z = s y_k, y_k = w_k - c the centred self-direction
+(c the head's witness centre) and s 1 when unbounded, else the largest scale
+inside the domain: rival i scores s y_i . y_k + b_i plus s c . y_k, which is the
+same for every rival, so the margin is s y_k . y_k + b_k - max_i (s y_i . y_k + b_i).
 
 The products y_i . y_k come from the rows rounded to bfloat16,
-y'_i = bf16(fl32(w_i - c)), multiplied with float32 accumulation and rounded
-to bfloat16 on output. With u_b = 2^-9 and u = 2^-24 the unit roundoffs of
-bfloat16 and float32, each stored entry is y_ij (1 + e), |e| <= eps = u_b + u + u_b u
-(two correctly rounded operations), the products of two bfloat16 numbers are
-exact in float32, any order of float32 summation is within gamma_d of the
-exact sum of those products, and the output rounding adds u_b of the sum.
-Together (docs/method.md, "The bfloat16 screen"):
+y'_i = bf16(fl(w_i - c)), multiplied with float32 accumulation and rounded to
+bfloat16 on output. With u_b = 2^-9 and u = 2^-24 the unit roundoffs of bfloat16
+and float32, each stored entry is y_ij (1 + e), |e| <= eps = (1 + u_b)(1 + u)(1 + 2^-53) - 1
+(at most three correctly rounded steps), the products of two bfloat16 numbers
+are exact in float32, any order of float32 summation is within gamma_d(2u) of
+the exact sum of those products (2u: summation that truncates, as some
+accelerators do, as well as rounding to nearest), and the output rounding adds
+u_b of the sum. Together (docs/method.md, "The bfloat16 pass"):
 
     |computed - y_i . y_k| <= phi |y_i|.|y_k| <= phi ||y_i|| ||y_k||,
-    phi = (1 + u_b)(1 + gamma_d)(1 + eps)^2 - 1   (0.0059 at d = 768),
+    phi = (1 + u_b)(1 + gamma_d(2u))(1 + eps)^2 - 1   (0.0060 at d = 768),
 
-plus a floor for gradual underflow. So the exact margin at z = y_k is at least
+plus a floor for underflow (subnormals flushed to zero). So the exact margin
+at y_k is at least
 
     ||y_k||^2 - max_i computed_i - phi R ||y_k|| - floor,   R = max_i ||y_i||,
 
-and the token is certified argmaxable when that lower bound exceeds what the
-float64 re-check of the witness needs (the float64 rounding of auditor.verify
-and the lead of EngineHead.witness_lead). Everything else goes on to the float32
-pass, which decides it as before: the close calls lose nothing, and the pass
-that proves 97-99.9 % of a real vocabulary costs a fifth of a float32 one.
+scaled by s, with the float32 roundings of scaling and adding the bias allowed
+for; the token is certified argmaxable when that lower bound exceeds what the
+float64 re-check of the witness needs (the float64 rounding of auditor.verify,
+derived rows' error bounds and the lead of EngineHead.witness_lead). Everything
+else goes on to the float32 pass, which decides it as before: the close calls
+lose nothing, and the pass that proves 97-99.9 % of a real vocabulary costs a
+fifth of a float32 one.
 
-The allowance rests on float32 accumulation. CUDA may reduce in bfloat16 unless
-told not to (``allow_bf16_reduced_precision_reduction``), so the products run
-with it off; on every device a probe at first use checks that the backend's
-bfloat16 product keeps within the allowance on a sum that bfloat16 accumulation
-gets wrong by far. Where the probe fails the pass is skipped (logged at debug level).
+The allowance rests on float32 accumulation. The pass runs only on CPUs and
+CUDA devices; CUDA may reduce in bfloat16 unless told not to
+(``allow_bf16_reduced_precision_reduction``), so the products run with it off;
+and on each device a probe at first use, on the call the pass makes, checks
+that the backend's bfloat16 product keeps within the allowance on sums that
+bfloat16 accumulation gets wrong by far. Where the probe fails the pass is
+skipped (logged at debug level).
 """
 
 from __future__ import annotations
@@ -47,7 +54,6 @@ from auditor.engine.head import EngineHead, robust_row_norms
 from auditor.engine.rounding import UNIT_ROUNDOFF_32, gamma, safe_norm
 
 UNIT_ROUNDOFF_BF16 = 2.0**-9
-SMALLEST_SUBNORMAL_BF16 = 2.0**-133
 _BLOCK_BUDGET = 1 << 25  # entries of one chunk x n bfloat16 block (64 MiB)
 _MIN_ENTRIES = 1 << 22  # heads smaller than this are screened in float32 alone: the pass would not pay
 _PROBE_LENGTH = 4096
@@ -58,16 +64,21 @@ _probed: dict[str, bool] = {}
 
 def product_error_factor(d: int) -> float:
     """phi: a bfloat16 product of length d, float32 accumulation, is within phi |x|.|y| of the exact one
-    of the vectors before their rounding to bfloat16 (and to float32 before that)."""
-    eps = UNIT_ROUNDOFF_BF16 + UNIT_ROUNDOFF_32 + UNIT_ROUNDOFF_BF16 * UNIT_ROUNDOFF_32
-    return (1 + UNIT_ROUNDOFF_BF16) * (1 + gamma(d, UNIT_ROUNDOFF_32)) * (1 + eps) ** 2 - 1
+    of the vectors before their rounding to bfloat16 (and to float32 and float64 before that).
+
+    Each entry carries up to three correctly rounded steps (the difference in float64 or float32, a
+    float64 head's conversion through float32, bfloat16). The float32 sums are allowed a unit of 2^-23,
+    not 2^-24: some accelerators add with the terms aligned and truncated (round towards zero), which
+    doubles the error of each addition."""
+    eps = (1 + UNIT_ROUNDOFF_BF16) * (1 + UNIT_ROUNDOFF_32) * (1 + 2.0**-53) - 1
+    return (1 + UNIT_ROUNDOFF_BF16) * (1 + gamma(d, 2 * UNIT_ROUNDOFF_32)) * (1 + eps) ** 2 - 1
 
 
 def underflow_allowance(d: int, size_i: float, size_k: torch.Tensor) -> torch.Tensor:
-    """Absolute error gradual underflow may add: entries that round to bfloat16 subnormals (at most
-    half the smallest subnormal each, so 2^-134 sqrt(d) (||y_i|| + ||y_k||) in all, doubled for the
-    float32 step before), products and sums below float32's range (d + 4 of 2^-149), and the output's rounding."""
-    return 2.0**-132 * np.sqrt(d) * (size_i + size_k) + (d + 4) * 2.0**-149 + SMALLEST_SUBNORMAL_BF16
+    """Absolute error underflow may add where the products flush subnormals to zero (AVX512-BF16 does):
+    entries below 2^-126 lost (2^-126 sqrt(d) (||y_i|| + ||y_k||) in all, doubled), products and sums
+    below float32's normal range (d + 4 of 2^-126), and the output's rounding."""
+    return 2.0**-125 * np.sqrt(d) * (size_i + size_k) + (d + 5) * 2.0**-126
 
 
 class reduced_precision_off:
@@ -87,23 +98,31 @@ class reduced_precision_off:
 
 
 def accumulates_as_assumed(device: torch.device) -> bool:
-    """Whether this device's bfloat16 product stays within the allowance on a probe that bfloat16
-    accumulation fails: one row of 1 followed by 4095 entries 1 + 2^-7 against rows of ones and of
-    alternating signs (exact sums 4096 + 4095 2^-7 and near 0), compared in float64."""
+    """Whether this device's bfloat16 product stays within the allowance, checked once per device on the
+    call the pass makes (a block of rows times the transpose of another, written into a bfloat16 block)
+    with data that bfloat16 accumulation gets wrong by far: rows of one 1 and 4095 entries 1 + 2^-7, of
+    ones, of alternating signs, and irregular rows with cancellation, compared in float64. The pass runs
+    only on CPUs and CUDA devices, whose bfloat16 products accumulate in float32 (CUDA with the
+    reduced-precision reduction switched off); the probe is the sanity check of that."""
     key = str(device)
     if key not in _probed:
         try:
+            generator = torch.Generator().manual_seed(0xBF16)
             x = torch.full((_PROBE_LENGTH,), 1 + 2.0**-7, dtype=torch.float64)
             x[0] = 1.0
             signs = torch.ones(_PROBE_LENGTH, dtype=torch.float64)
             signs[1::2] = -1.0
-            other = torch.stack([torch.ones(_PROBE_LENGTH, dtype=torch.float64), signs, x])
-            exact = other @ x
+            irregular = torch.randn(61, _PROBE_LENGTH, generator=generator, dtype=torch.float64) * torch.exp(
+                2 * torch.randn(61, 1, generator=generator, dtype=torch.float64))
+            left = torch.cat([torch.ones(1, _PROBE_LENGTH, dtype=torch.float64), signs[None], x[None], irregular])
+            right = torch.cat([x[None], irregular.flip(0)[:40] + 0.5, left[:3]])
+            exact = left.to(torch.bfloat16).to(torch.float64) @ right.to(torch.bfloat16).to(torch.float64).T
+            block = torch.empty(left.shape[0], right.shape[0], dtype=torch.bfloat16, device=device)
             with reduced_precision_off():
-                computed = (other.to(torch.bfloat16).to(device) @ x.to(torch.bfloat16).to(device)[:, None])
-            computed = computed[:, 0].to(torch.float64).cpu()
-            allowance = product_error_factor(_PROBE_LENGTH) * (other.abs() @ x.abs())
-            _probed[key] = bool(torch.all((computed - exact).abs() <= allowance))
+                torch.matmul(left.to(torch.bfloat16).to(device), right.to(torch.bfloat16).to(device).T, out=block)
+            computed = block.to(torch.float64).cpu()
+            allowance = product_error_factor(_PROBE_LENGTH) * (left.abs() @ right.abs().T)
+            _probed[key] = device.type in ("cpu", "cuda") and bool(torch.all((computed - exact).abs() <= allowance))
         except RuntimeError as error:  # no bfloat16 product on this device
             log.debug("bfloat16 screen off on %s: %s", key, error)
             _probed[key] = False

@@ -2,7 +2,8 @@
 
 1. ties      exact duplicate rows become groups; one representative is decided
 2. screen    one Gram pass checks z = s (w_k - t c) for every token (a bfloat16 pass first on large
-             heads without a bias); on large heads, z = s C^+ (w_k - c) for the few left
+             heads: without a bias, or with one in a bounded domain); on large heads without a
+             bias, z = s C^+ (w_k - c) for the few left
 3. interior  a closed-form convex combination for rows deep inside the hull
 4. frank-wolfe  batched pairwise Frank-Wolfe on the min-norm problem (no bias), or on
              the domain's dual r ||w_k - sum alpha_i w_i|| + sum alpha_i (b_k - b_i) (balls,

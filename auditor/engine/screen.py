@@ -1,9 +1,9 @@
 """The screen stage: one batched Gram product over the vocabulary.
 
-A large float32 head without a bias is first screened in bfloat16 (low_precision.py):
-the centred self-direction z = w_k - c with a rigorous allowance for that
-arithmetic proves most tokens at a fifth of the cost; the pass below then runs
-on the tokens it left.
+A large head (without a bias in any domain, or with one in a bounded domain) is
+first screened in bfloat16 (low_precision.py): the centred self-direction
+z = s (w_k - c) with a rigorous allowance for that arithmetic proves most tokens
+at a fifth of the cost; the pass below then runs on the tokens it left.
 
 For every token k it tries the candidate witnesses z = s (w_k - t c), t in
 {0, 1}, where c is the centre (mean) of the rows: the row itself, and the row

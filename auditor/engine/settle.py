@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from auditor.engine.caratheodory import from_pool, reduce_supports, spread_pool
+from auditor.engine.caratheodory import centre_pool, from_pool, reduce_supports, spread_pool
 from auditor.engine.certify import check_convex, check_witnesses, check_witnesses_sharpened
 from auditor.engine.decisions import STAGES, UNDECIDED, Decisions, set_convex, set_witness
 from auditor.engine.head import EngineHead
@@ -93,20 +93,22 @@ def sparsify(head: EngineHead, out: Decisions) -> None:
     steps serves up to 8 of them. Certificates of the interior stage
     (mean-initialised rows all sit at the centre) first try to move their bulk
     onto a pool of rows around the centre and be reduced by one or two
-    eliminations (caratheodory.from_pool): the at most 2D rows the previous one
-    passed through, else 3D rows drawn around the centre (caratheodory.spread_pool).
+    eliminations (caratheodory.from_pool): the at most 2D rows the centre of the
+    head passes through (caratheodory.centre_pool), else 3D rows drawn around it
+    (caratheodory.spread_pool).
     """
     dim = head.d + (2 if head.bias is not None else 1)
     dense = [k for k, (indices, _, _, _) in out.convex.items() if indices.size > dim]
-    interior = [k for k in dense if out.stage[k] == STAGES.index("interior")]
-    # Interior certificates try pools first: the at most 2D rows around the centre that the last one
-    # reduced passed through, then 3D rows drawn around the centre.
-    spread = spread_pool(head, np.array(dense, dtype=np.int64)) if interior else None
-    narrowed: list = []
+    interior = {k for k in dense if out.stage[k] == STAGES.index("interior")}
+    # Interior certificates try pools first: the at most 2D rows around the centre of the head, then 3D
+    # rows drawn around it. Both depend on the head alone, so a token's certificate does not depend on
+    # the tokens decided with it (ranks and blocks of ids give the certificates of one whole run).
+    spread = spread_pool(head) if interior else None
+    pools = [pool for pool in (centre_pool(head, spread) if spread is not None else None, spread) if pool is not None]
     left = []
     for k in dense:
-        for pool in (narrowed[-1:] + [spread]) if spread is not None and k in interior else []:
-            reduced = from_pool(head, pool, k, *out.convex[k][:2], narrowed=narrowed)
+        for pool in pools if k in interior else []:
+            reduced = from_pool(head, pool, k, *out.convex[k][:2])
             check = check_convex(head, k, *reduced) if reduced is not None and reduced[0].size <= dim else None
             if check is not None and check.accepted:
                 set_convex(out, k, *reduced, check.residual, check.bias_gap, STAGES[int(out.stage[k])])

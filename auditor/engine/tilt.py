@@ -151,6 +151,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float,
     running = torch.ones(batch, dtype=torch.bool, device=device)
     pi = torch.softmax(logits, dim=1)
     best = torch.full((batch,), torch.inf, dtype=torch.float64, device=device)
+    least = best.clone()  # the smallest residual seen (best moves only when it halves)
     since = torch.zeros(batch, dtype=torch.int64, device=device)
     for _ in range(iterations):
         live = torch.nonzero(running).flatten()
@@ -160,6 +161,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float,
         gradient = mean - p[live]
         residual = torch.linalg.vector_norm(gradient, dim=1) / mu[live]
         # Give up on tokens whose residual has not halved in a while: p is on or outside the hull.
+        least[live] = torch.minimum(least[live], residual)
         improved = residual < 0.5 * best[live]
         best[live] = torch.where(improved, residual, best[live])
         since[live] = torch.where(improved, torch.zeros_like(since[live]), since[live] + 1)
@@ -197,7 +199,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float,
         running[live[pending]] = False  # no decrease along a Newton direction: F is flat or unbounded here
 
     found = {}
-    reproduced = {int(t) for t, r in zip(ids.tolist(), (best <= goal).tolist()) if r}
+    reproduced = {int(t) for t, r in zip(ids.tolist(), (least <= goal).tolist()) if r}
     for b, token in enumerate(ids.tolist()):
         weights = pi[b] / mu[b]
         if int(j[b]) >= 0:
