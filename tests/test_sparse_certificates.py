@@ -20,13 +20,19 @@ def anisotropic(rng, n, d, offset=0.3):
     return (rng.standard_normal((n, d)) * spectrum + offset).astype(np.float32)
 
 
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_reduction_keeps_the_combination_on_at_most_D_rows(rng, with_bias):
-    n, d = 700, 12
+def gaussian_head(rng, n, d, with_bias):
+    """N(0, 1) rows (and bias), and the engine's head of them."""
     W = rng.standard_normal((n, d))
     b = rng.standard_normal(n) if with_bias else None
     head = build_engine_head(torch.from_numpy(W), None if b is None else torch.from_numpy(b),
                              duplicate_groups(torch.from_numpy(W), None), Unbounded(), 1e-10)
+    return W, b, head
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_reduction_keeps_the_combination_on_at_most_D_rows(rng, with_bias):
+    n, d = 700, 12
+    W, b, head = gaussian_head(rng, n, d, with_bias)
     alpha = rng.random(n)
     alpha /= alpha.sum()
     indices = np.arange(n)
@@ -89,10 +95,7 @@ def test_batched_reductions_keep_each_combination_on_at_most_D_rows(rng, with_bi
     from auditor.engine.caratheodory import reduce_supports
 
     n, d = 900, 10
-    W = rng.standard_normal((n, d))
-    b = rng.standard_normal(n) if with_bias else None
-    head = build_engine_head(torch.from_numpy(W), None if b is None else torch.from_numpy(b),
-                             duplicate_groups(torch.from_numpy(W), None), Unbounded(), 1e-10)
+    W, b, head = gaussian_head(rng, n, d, with_bias)
     certificates = []
     for j in range(19):  # more than one batch, of different sizes: dense, half, and just above 2D rows
         size = (n, n // 2, 2 * (d + 3) + 1)[j % 3]

@@ -44,21 +44,11 @@ def reduce_support(head: EngineHead, indices: np.ndarray, weights: np.ndarray
     """Weights on at most D of ``indices`` (D = d + 1, or d + 2 with a bias) reproducing
     ``sum weights_i (w_i, b_i, 1)`` up to rounding: (indices, weights summing to 1, and the at most
     2D rows of the last merge round: a pool of rows around the point, for points near it)."""
-    keep = weights > 0
-    indices, alpha = np.asarray(indices)[keep], np.asarray(weights, dtype=np.float64)[keep]
-    alpha = alpha / alpha.sum()
-    dim = head.d + (2 if head.bias is not None else 1)
+    indices, alpha = _positive(indices, weights)
+    dim = lifted_dimension(head)
     while indices.size > 2 * dim:
-        groups = 2 * dim
-        # Interleaved groups: each mixes large and small weights, so no group mean sits far out.
-        label = np.argsort(np.argsort(-alpha, kind="stable"), kind="stable") % groups
-        mass = np.bincount(label, weights=alpha, minlength=groups)
-        means = _group_means(head, indices, alpha, label, groups) / mass[:, None]
-        kept_mass = _eliminate(means, mass)
-        ratio = kept_mass / mass
-        alpha = alpha * ratio[label]
-        survive = alpha > 0
-        indices, alpha = indices[survive], alpha[survive] / alpha[survive].sum()
+        merge = _Merge(head, indices, alpha)
+        indices, alpha = merge.keep(_eliminate(merge.means, merge.mass))
     points = _lifted(head, indices)
     pool = Pool(indices, points)
     if indices.size > dim:
@@ -66,6 +56,36 @@ def reduce_support(head: EngineHead, indices: np.ndarray, weights: np.ndarray
         survive = alpha > 0
         indices, alpha = indices[survive], alpha[survive]
     return indices, alpha / alpha.sum(), pool
+
+
+def lifted_dimension(head: EngineHead) -> int:
+    """D: the dimension of the lifted rows (w_i, b_i, 1), d + 2 with a bias and d + 1 without."""
+    return head.d + (2 if head.bias is not None else 1)
+
+
+def _positive(indices: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of positive weight, and their weights summing to 1."""
+    keep = np.asarray(weights) > 0
+    alpha = np.asarray(weights, dtype=np.float64)[keep]
+    return np.asarray(indices)[keep], alpha / alpha.sum()
+
+
+class _Merge:
+    """One merge round: the support split into 2D interleaved groups (each mixes large and small weights,
+    so no group mean sits far out), their masses and mean lifted points; ``keep`` rescales the weights by
+    the masses an elimination left to each group."""
+
+    def __init__(self, head: EngineHead, indices: np.ndarray, alpha: np.ndarray):
+        groups = 2 * lifted_dimension(head)
+        self.indices, self.alpha = indices, alpha
+        self.label = np.argsort(np.argsort(-alpha, kind="stable"), kind="stable") % groups
+        self.mass = np.bincount(self.label, weights=alpha, minlength=groups)
+        self.means = _group_means(head, indices, alpha, self.label, groups) / self.mass[:, None]
+
+    def keep(self, kept_mass: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        alpha = self.alpha * (kept_mass / self.mass)[self.label]
+        survive = alpha > 0
+        return self.indices[survive], alpha[survive] / alpha[survive].sum()
 
 
 def spread_pool(head: EngineHead, seed: int = 0) -> Pool | None:
@@ -76,7 +96,7 @@ def spread_pool(head: EngineHead, seed: int = 0) -> Pool | None:
     ``from_pool`` instead of a full reduction. A function of the head alone, so that a token's
     certificate does not depend on which other tokens are decided with it. None when there are too
     few rows."""
-    dim = head.d + (2 if head.bias is not None else 1)
+    dim = lifted_dimension(head)
     rows = torch.nonzero(head.competitor).flatten().cpu().numpy()
     if rows.size <= 3 * dim:
         return None
@@ -135,8 +155,7 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
     union, position = np.unique(np.concatenate([indices[top], pool.indices[others]]), return_inverse=True)
     alpha = np.zeros(union.size)
     np.add.at(alpha, position, np.concatenate([weights[top], mass * spread]))
-    dim = head.d + (2 if head.bias is not None else 1)
-    if union.size > 2 * dim:  # a large pool: one merge round first
+    if union.size > 2 * lifted_dimension(head):  # a large pool: one merge round first
         union, alpha, last = reduce_support(head, union, alpha)
         if narrowed is not None:
             narrowed[:] = [last]  # one pool kept: the newest
@@ -290,46 +309,29 @@ def _eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     return alpha
 
 
-_BATCH = 8  # certificates reduced together: one sequence of small steps serves them all
+_BATCH = 8  # certificates whose elimination steps run as one batch of tensor operations
 _BATCH_PANEL = 64  # the batched steps' panel: each step re-reads its panel's earlier vectors
 
 
 def reduce_supports(head: EngineHead, certificates: list[tuple[np.ndarray, np.ndarray]]
                     ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``reduce_support`` for many certificates at once: the merge rounds of up to _BATCH of them run as
-    one batched elimination (_eliminate_batch), whose sequence of small steps, each a few operations on
-    all the certificates together, costs what one certificate's did; so does the last elimination, on
-    the at most 2D rows left of each."""
-    dim = head.d + (2 if head.bias is not None else 1)
-    groups = 2 * dim
-    states = []
-    for indices, weights in certificates:
-        keep = weights > 0
-        alpha = np.asarray(weights, dtype=np.float64)[keep]
-        states.append([np.asarray(indices)[keep], alpha / alpha.sum()])
+    """``reduce_support`` for many certificates at once: the eliminations of a merge round of up to _BATCH
+    of them run as one batched elimination (_eliminate_batch), each step a few tensor operations on all of
+    them together; so does the last elimination, on the at most 2D rows left of each."""
+    dim = lifted_dimension(head)
+    states = [_positive(indices, weights) for indices, weights in certificates]
     while True:
-        large = [j for j, (indices, _) in enumerate(states) if indices.size > groups]
+        large = [j for j, (indices, _) in enumerate(states) if indices.size > 2 * dim]
         if not large:
             break
         for s in range(0, len(large), _BATCH):
             batch = large[s:s + _BATCH]
-            labels, masses, means = [], [], []
-            for j in batch:
-                indices, alpha = states[j]
-                label = np.argsort(np.argsort(-alpha, kind="stable"), kind="stable") % groups
-                mass = np.bincount(label, weights=alpha, minlength=groups)
-                labels.append(label)
-                masses.append(mass)
-                means.append(_group_means(head, indices, alpha, label, groups) / mass[:, None])
-            points = torch.as_tensor(np.stack(means), device=head.device)
-            kept, failed = _eliminate_batch(points, torch.as_tensor(np.stack(masses), device=head.device))
+            merges = [_Merge(head, *states[j]) for j in batch]
+            kept, failed = _eliminate_batch(torch.as_tensor(np.stack([m.means for m in merges]), device=head.device),
+                                            torch.as_tensor(np.stack([m.mass for m in merges]), device=head.device))
             kept = kept.cpu().numpy()
-            for row, j in enumerate(batch):
-                kept_mass = _eliminate(means[row], masses[row]) if failed[row] else kept[row]
-                indices, alpha = states[j]
-                alpha = alpha * (kept_mass / masses[row])[labels[row]]
-                survive = alpha > 0
-                states[j] = [indices[survive], alpha[survive] / alpha[survive].sum()]
+            for row, (j, merge) in enumerate(zip(batch, merges)):
+                states[j] = merge.keep(_eliminate(merge.means, merge.mass) if failed[row] else kept[row])
     # The last elimination, on the rows themselves (at most 2D, a different number per certificate): each
     # certificate is padded to 2D rows with copies of its first row at weight 0 (any weight the steps move
     # onto them is the first row's).
@@ -355,7 +357,7 @@ def reduce_supports(head: EngineHead, certificates: list[tuple[np.ndarray, np.nd
                 alpha = kept[row][:indices.size].copy()
                 alpha[0] += kept[row][indices.size:].sum()
             survive = alpha > 0
-            states[j] = [indices[survive], alpha[survive]]
+            states[j] = (indices[survive], alpha[survive])
     return [(indices, alpha / alpha.sum()) for indices, alpha in states]
 
 

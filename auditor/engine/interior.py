@@ -55,20 +55,20 @@ def interior_certificates(head: EngineHead, ids: np.ndarray) -> dict[int, tuple[
     for s in range(0, len(ids), _BATCH):
         batch = ids[s:s + _BATCH]
         offsets = head.rows64(torch.as_tensor(batch, device=head.device)) - head.centre  # B x d: w_k - c
-        tries = []
-        if lifted is not None:
-            tries.append(lifted.weights(batch, offsets))
-        tries.append(lambda j, o=_plain_weights(head, rows, offsets): o[:, j])
+        tilted = lifted.weights(batch, offsets) if lifted is not None else None
+        plain = None  # the plain weights, formed only when a token needs them (one more product)
         for j, token in enumerate(batch.tolist()):
             own = position[token] if position is not None else token
-            for weights_of in tries:
-                alpha = weights_of(j)
-                if alpha is None:
-                    continue
-                certificate = _certificate(head, rows, token, own, alpha)
-                if certificate is not None:
-                    found[token] = certificate
-                    break
+            certificate = None
+            if tilted is not None:
+                alpha = tilted(j, own)
+                certificate = _certificate(head, rows, token, own, alpha) if alpha is not None else None
+            if certificate is None:
+                if plain is None:
+                    plain = _plain_weights(head, rows, offsets)
+                certificate = _certificate(head, rows, token, own, plain[:, j])
+            if certificate is not None:
+                found[token] = certificate
     return found
 
 
@@ -114,18 +114,16 @@ class _Lifted:
         return rows[self.rows]
 
     def weights(self, batch: np.ndarray, offsets: torch.Tensor):
-        """A function j -> the tilted weights of token batch[j] (m, summing to 1), or None when
-        no positive delta keeps them non-negative."""
+        """A function (j, own) -> the tilted weights of token batch[j], whose own row is competitor
+        ``own`` (m, summing to 1), or None when no positive delta keeps the others' non-negative."""
         head, m = self.head, self.rows.numel()
         targets = torch.cat([offsets, (head.bias[torch.as_tensor(batch, device=head.device)][:, None]
                                        - self.bias_centre) * self.scale], dim=1)
         base = 1.0 + self._projections(targets @ self.precision)  # m x B: m alpha_i at delta = 0
         tilt = self.tilt
         rising, falling = tilt > 0, tilt < 0
-        position = {int(r): j for j, r in enumerate(self.rows.tolist())} if m < head.n else None
 
-        def of(j: int):
-            own = position[int(batch[j])] if position is not None else int(batch[j])
+        def of(j: int, own: int):
             others = torch.ones(m, dtype=torch.bool, device=head.device)
             others[own] = False
             a = base[:, j]

@@ -51,7 +51,7 @@ import torch
 
 from auditor.engine.certify import derived_error
 from auditor.engine.head import EngineHead, robust_row_norms
-from auditor.engine.rounding import UNIT_ROUNDOFF_32, gamma, safe_norm
+from auditor.engine.rounding import UNIT_ROUNDOFF_32, float32_towards_zero, gamma, safe_norm
 
 UNIT_ROUNDOFF_BF16 = 2.0**-9
 _BLOCK_BUDGET = 1 << 25  # entries of one chunk x n bfloat16 block (64 MiB)
@@ -105,6 +105,8 @@ def accumulates_as_assumed(device: torch.device) -> bool:
     only on CPUs and CUDA devices, whose bfloat16 products accumulate in float32 (CUDA with the
     reduced-precision reduction switched off); the probe is the sanity check of that."""
     key = str(device)
+    if key not in _probed and device.type not in ("cpu", "cuda"):
+        _probed[key] = False
     if key not in _probed:
         try:
             generator = torch.Generator().manual_seed(0xBF16)
@@ -122,7 +124,7 @@ def accumulates_as_assumed(device: torch.device) -> bool:
                 torch.matmul(left.to(torch.bfloat16).to(device), right.to(torch.bfloat16).to(device).T, out=block)
             computed = block.to(torch.float64).cpu()
             allowance = product_error_factor(_PROBE_LENGTH) * (left.abs() @ right.abs().T)
-            _probed[key] = device.type in ("cpu", "cuda") and bool(torch.all((computed - exact).abs() <= allowance))
+            _probed[key] = bool(torch.all((computed - exact).abs() <= allowance))
         except RuntimeError as error:  # no bfloat16 product on this device
             log.debug("bfloat16 screen off on %s: %s", key, error)
             _probed[key] = False
@@ -151,14 +153,6 @@ def _centred_rows(head: EngineHead) -> torch.Tensor:
     for s in range(0, head.n, 4096):
         rows[s:s + 4096] = (head.weight[s:s + 4096] - centre).to(torch.bfloat16)
     return rows
-
-
-def _scales_towards_zero(scale: torch.Tensor) -> torch.Tensor:
-    """float32 values at most ``scale`` (a witness scaled by one stays in the domain), as float64."""
-    rounded = scale.to(torch.float32)
-    high = rounded.to(torch.float64) > scale
-    rounded[high] = torch.nextafter(rounded[high], torch.zeros_like(rounded[high]))
-    return rounded.to(torch.float64)
 
 
 def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None):
@@ -199,7 +193,7 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None):
             if others.numel():
                 block.index_fill_(1, others, -torch.inf)
             directions = head.rows64(k) - head.witness_centre
-            s_k = (_scales_towards_zero(head.domain.largest_scales(directions)) if head.domain.bounded
+            s_k = (float32_towards_zero(head.domain.largest_scales(directions)) if head.domain.bounded
                    else torch.ones(k.numel(), dtype=torch.float64, device=device))
             own = size[k] / (1 + gamma(d + 2))  # the computed norm, within gamma_{d+2} of ||y_k||
             own_low = own * own * (1 - 4 * gamma(d + 4))  # <= ||y_k||^2

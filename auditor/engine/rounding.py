@@ -41,6 +41,17 @@ def safe_norm(x, dim: int = -1):
     return peak.squeeze(dim) * torch.linalg.vector_norm(unit, dim=dim)
 
 
+def float32_towards_zero(scale):
+    """float32 values at most ``scale`` (positive float64 tensor), as float64: a witness scaled by them stays
+    inside the domain, and a float32 pass multiplies by them exactly."""
+    import torch
+
+    rounded = scale.to(torch.float32)
+    high = rounded.to(torch.float64) > scale
+    rounded[high] = torch.nextafter(rounded[high], torch.zeros_like(rounded[high]))
+    return rounded.to(torch.float64)
+
+
 def proves_positive(margin, tolerance, unit: float = UNIT_ROUNDOFF):
     """True where a computed difference is positive even after the worst rounding.
 

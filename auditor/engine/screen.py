@@ -36,7 +36,8 @@ import torch
 from auditor.engine import low_precision
 from auditor.engine.certify import WitnessCheck, check_witnesses_sharpened, derived_error, inside_domain
 from auditor.engine.head import EngineHead
-from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, ieee_float32_products,
+from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, float32_towards_zero,
+                                     ieee_float32_products,
                                      logit_error_factor, proves_positive, safe_norm, underflow_floor)
 
 _BLOCK_BUDGET = 1 << 24  # entries per chunk x n block (64 MiB in float32); two blocks live at once with a bias
@@ -166,12 +167,7 @@ class _Arithmetic:
 
     def scales(self, scale: torch.Tensor) -> torch.Tensor:
         """Scales the pass can use exactly: rounded towards zero to its precision, so none leaves the domain."""
-        if self.dtype == torch.float64:
-            return scale
-        rounded = scale.to(torch.float32)
-        high = rounded.to(torch.float64) > scale
-        rounded[high] = torch.nextafter(rounded[high], torch.zeros_like(rounded[high]))
-        return rounded.to(torch.float64)
+        return scale if self.dtype == torch.float64 else float32_towards_zero(scale)
 
 
 def _candidate_scales(head: EngineHead, directions: torch.Tensor) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from auditor.engine.caratheodory import centre_pool, from_pool, reduce_supports, spread_pool
+from auditor.engine.caratheodory import centre_pool, from_pool, lifted_dimension, reduce_supports, spread_pool
 from auditor.engine.certify import check_convex, check_witnesses, check_witnesses_sharpened
 from auditor.engine.decisions import STAGES, UNDECIDED, Decisions, set_convex, set_witness
 from auditor.engine.head import EngineHead
@@ -88,16 +88,16 @@ def sparsify(head: EngineHead, out: Decisions) -> None:
 
     The reduced weights must pass the same float64 check (re-solved on their
     support by lp.polish when they do not at first); where they still fail, the
-    dense certificate stands. The full reductions of a stage's certificates run
-    together (caratheodory.reduce_supports): one batched sequence of elimination
-    steps serves up to 8 of them. Certificates of the interior stage
+    dense certificate stands. The full reductions run together
+    (caratheodory.reduce_supports): the elimination steps of up to 8 of them
+    are one batch of tensor operations. Certificates of the interior stage
     (mean-initialised rows all sit at the centre) first try to move their bulk
     onto a pool of rows around the centre and be reduced by one or two
     eliminations (caratheodory.from_pool): the at most 2D rows the centre of the
     head passes through (caratheodory.centre_pool), else 3D rows drawn around it
     (caratheodory.spread_pool).
     """
-    dim = head.d + (2 if head.bias is not None else 1)
+    dim = lifted_dimension(head)
     dense = [k for k, (indices, _, _, _) in out.convex.items() if indices.size > dim]
     interior = {k for k in dense if out.stage[k] == STAGES.index("interior")}
     # Interior certificates try pools first: the at most 2D rows around the centre of the head, then 3D
