@@ -157,8 +157,10 @@ def test_mean_initialised_rows_are_reduced_through_rows_drawn_around_the_centre(
     found = interior_certificates(head, np.array([3000, 3001]))
     spread = spread_pool(head)
     assert spread.indices.size == 3 * 17
-    centre = centre_pool(head, spread)
-    assert centre is not None and centre.indices.size <= 2 * 17
+    found_centre = centre_pool(head, spread)
+    assert found_centre is not None
+    centre, basis = found_centre
+    assert centre.indices.size <= 2 * 17 and basis.size <= 17 and set(basis.tolist()) <= set(centre.indices.tolist())
     W64 = W.numpy().astype(np.float64)
     for pool in (spread, centre):
         for k in (3000, 3001):

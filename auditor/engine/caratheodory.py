@@ -49,7 +49,7 @@ def reduce_support(head: EngineHead, indices: np.ndarray, weights: np.ndarray
     while indices.size > 2 * dim:
         merge = _Merge(head, indices, alpha)
         indices, alpha = merge.keep(_eliminate(merge.means, merge.mass))
-    points = _lifted(head, indices)
+    points = lifted_points(head, indices)
     pool = Pool(indices, points)
     if indices.size > dim:
         alpha = _eliminate(points, alpha)
@@ -101,18 +101,19 @@ def spread_pool(head: EngineHead, seed: int = 0) -> Pool | None:
     if rows.size <= 3 * dim:
         return None
     chosen = np.sort(np.random.default_rng(seed).choice(rows, size=3 * dim, replace=False))
-    return Pool(chosen, _lifted(head, chosen))
+    return Pool(chosen, lifted_points(head, chosen))
 
 
-def centre_pool(head: EngineHead, spread: Pool) -> Pool | None:
+def centre_pool(head: EngineHead, spread: Pool) -> tuple[Pool, np.ndarray] | None:
     """At most 2D rows around the centre of the head: those the uniform weights on the competitors pass
-    through when moved onto ``spread`` and reduced (from_pool's merge round). Mean-initialised rows sit
-    so near the centre that this smaller pool surrounds them too, and, like ``spread``, it depends on
-    the head alone. None when the spread pool does not surround the centre."""
+    through when moved onto ``spread`` and reduced (from_pool's merge round), and the at most D of them
+    the reduced weights use (a basis for the centre: dual_simplex.Basis). Mean-initialised rows sit so
+    near the centre that this smaller pool surrounds them too, and, like ``spread``, it depends on the
+    head alone. None when the spread pool does not surround the centre."""
     rows = torch.nonzero(head.competitor).flatten().cpu().numpy()
     narrowed: list[Pool] = []
     found = from_pool(head, spread, -1, rows, np.full(rows.size, 1.0 / rows.size), narrowed=narrowed)
-    return narrowed[0] if found is not None and narrowed else None
+    return (narrowed[0], found[0]) if found is not None and narrowed else None
 
 
 @dataclass
@@ -160,7 +161,7 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
         if narrowed is not None:
             narrowed[:] = [last]  # one pool kept: the newest
         return union, alpha
-    alpha = _eliminate(_lifted(head, union), alpha)
+    alpha = _eliminate(lifted_points(head, union), alpha)
     survive = alpha > 0
     return union[survive], alpha[survive] / alpha[survive].sum()
 
@@ -216,7 +217,7 @@ def _maximum_entropy(points: np.ndarray, target: np.ndarray, start: np.ndarray |
     return (pi, theta) if np.abs(pi @ offsets).max() <= 1e-12 else None
 
 
-def _lifted(head: EngineHead, indices: np.ndarray) -> np.ndarray:
+def lifted_points(head: EngineHead, indices: np.ndarray) -> np.ndarray:
     """The rows as points (w_i, b_i, 1) of R^D, float64."""
     columns = [head.rows(indices)]
     if head.bias is not None:
@@ -342,7 +343,7 @@ def reduce_supports(head: EngineHead, certificates: list[tuple[np.ndarray, np.nd
         points, weights = [], []
         for j in batch:
             indices, alpha = states[j]
-            lifted = _lifted(head, indices)
+            lifted = lifted_points(head, indices)
             pad = size - indices.size
             points.append(np.vstack([lifted, np.repeat(lifted[:1], pad, axis=0)]))
             weights.append(np.concatenate([alpha, np.zeros(pad)]))

@@ -13,7 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from auditor.engine.caratheodory import centre_pool, from_pool, lifted_dimension, reduce_supports, spread_pool
+from auditor.engine.caratheodory import (centre_pool, from_pool, lifted_dimension, lifted_points, reduce_supports,
+                                         spread_pool)
+from auditor.engine.dual_simplex import Basis
 from auditor.engine.certify import check_convex, check_witnesses, check_witnesses_sharpened
 from auditor.engine.decisions import STAGES, UNDECIDED, Decisions, set_convex, set_witness
 from auditor.engine.head import EngineHead
@@ -88,35 +90,88 @@ def sparsify(head: EngineHead, out: Decisions) -> None:
 
     The reduced weights must pass the same float64 check (re-solved on their
     support by lp.polish when they do not at first); where they still fail, the
-    dense certificate stands. The full reductions run together
-    (caratheodory.reduce_supports): the elimination steps of up to 8 of them
-    are one batch of tensor operations. Certificates of the interior stage
-    (mean-initialised rows all sit at the centre) first try to move their bulk
-    onto a pool of rows around the centre and be reduced by one or two
-    eliminations (caratheodory.from_pool): the at most 2D rows the centre of the
-    head passes through (caratheodory.centre_pool), else 3D rows drawn around it
-    (caratheodory.spread_pool).
+    dense certificate stands. Certificates whose bulk lies near the centre of
+    the head (those of the interior stage, where mean-initialised rows go, and
+    any whose heaviest row holds at most 10 % of the weight) first try routes
+    through rows around the centre (_CentreRoutes). The rest, and whatever those
+    routes miss, take full reductions together (caratheodory.reduce_supports):
+    the elimination steps of up to 8 of them are one batch of tensor operations.
     """
     dim = lifted_dimension(head)
     dense = [k for k, (indices, _, _, _) in out.convex.items() if indices.size > dim]
-    interior = {k for k in dense if out.stage[k] == STAGES.index("interior")}
-    # Interior certificates try pools first: the at most 2D rows around the centre of the head, then 3D
-    # rows drawn around it. Both depend on the head alone, so a token's certificate does not depend on
-    # the tokens decided with it (ranks and blocks of ids give the certificates of one whole run).
-    spread = spread_pool(head) if interior else None
-    pools = [pool for pool in (centre_pool(head, spread) if spread is not None else None, spread) if pool is not None]
-    left = []
-    for k in dense:
-        for pool in pools if k in interior else []:
-            reduced = from_pool(head, pool, k, *out.convex[k][:2])
-            check = check_convex(head, k, *reduced) if reduced is not None and reduced[0].size <= dim else None
-            if check is not None and check.accepted:
-                set_convex(out, k, *reduced, check.residual, check.bias_gap, STAGES[int(out.stage[k])])
-                break
-        else:
+    near = [k for k in dense
+            if out.stage[k] == STAGES.index("interior") or out.convex[k][1].max() <= _SPREAD_WEIGHT]
+    routes = _CentreRoutes(head) if near else None
+    left = [k for k in dense if k not in set(near)]
+    for k in near:
+        reduced = routes.reduce(k, *out.convex[k])
+        if reduced is None:
             left.append(k)
+        else:
+            set_convex(out, k, *reduced, STAGES[int(out.stage[k])])
     for k, (support, alpha) in zip(left, reduce_supports(head, [out.convex[k][:2] for k in left])):
         _record(head, out, k, support, alpha, dim)
+
+
+_SPREAD_WEIGHT = 0.1  # a dense certificate whose heaviest weight is at most this has its bulk near the centre
+
+
+class _CentreRoutes:
+    """Sparse certificates through rows around the centre of the head, tried in turn, cheapest first:
+
+    1. the dual simplex from the basis of the centre on the at most 2D rows the
+       centre of the head passes through (dual_simplex.Basis, caratheodory.centre_pool):
+       a few pivots for a mean-initialised row;
+    2. the same from 3D rows drawn around the centre (caratheodory.spread_pool),
+       whose hull reaches further, with up to 3D pivots;
+    3. moving the certificate's bulk onto either pool and one or two
+       eliminations (caratheodory.from_pool).
+
+    Every pool and basis depends on the head alone and is built at first use, so
+    a token's certificate does not depend on the tokens decided with it (ranks and
+    blocks of ids give the certificates of one whole run).
+    """
+
+    def __init__(self, head: EngineHead):
+        self.head = head
+        self.dim = lifted_dimension(head)
+        self.spread = spread_pool(head)
+        self.centre = centre_pool(head, self.spread) if self.spread is not None else None
+        self.bases: dict[str, Basis] = {}
+
+    def _basis(self, name: str) -> Basis:
+        """The basis of the centre on the centre pool ("centre") or on the spread pool ("spread"), built once."""
+        if name not in self.bases:
+            pool, support = self.centre
+            self.bases[name] = Basis(self.head, (pool if name == "centre" else self.spread).indices, support)
+        return self.bases[name]
+
+    def reduce(self, k: int, indices: np.ndarray, weights: np.ndarray, residual: float, gap: float
+               ) -> tuple[np.ndarray, np.ndarray, float, float] | None:
+        """(indices, weights, residual, bias gap) of an accepted certificate on at most D rows, or None."""
+        target = _lifted_target(self.head, k, gap)
+        for name, pivots in (("centre", self.dim), ("spread", 3 * self.dim)) if self.centre is not None else ():
+            found = self._basis(name).certificate(k, target, max_pivots=pivots)
+            check = check_convex(self.head, k, *found) if found is not None else None
+            if check is not None and check.accepted:
+                return (*found, check.residual, check.bias_gap)
+        pools = [pool for pool in (self.centre[0] if self.centre is not None else None, self.spread) if pool is not None]
+        for pool in pools:
+            found = from_pool(self.head, pool, k, indices, weights)
+            check = check_convex(self.head, k, *found) if found is not None and found[0].size <= self.dim else None
+            if check is not None and check.accepted:
+                return (*found, check.residual, check.bias_gap)
+        return None
+
+
+def _lifted_target(head: EngineHead, k: int, gap: float) -> np.ndarray:
+    """The point a sparse certificate for token k reproduces: (w_k, 1), or with a bias (w_k, b_k + h, 1),
+    h half the bias the dense certificate holds above b_k (its bias gap is -2h). The weights' bias must
+    exceed b_k, not meet it, and the dense certificate shows how far it can."""
+    point = lifted_points(head, np.array([k]))[0]
+    if head.bias is not None and gap < 0:
+        point[-2] -= gap / 2
+    return point
 
 
 def _record(head: EngineHead, out: Decisions, k: int, support: np.ndarray, alpha: np.ndarray, dim: int) -> None:

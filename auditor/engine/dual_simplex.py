@@ -1,0 +1,137 @@
+"""Sparse certificates for tokens near a known point: the dual simplex from a shared basis.
+
+A convex certificate for token k on at most D rows is a basic feasible solution of
+
+    sum_i x_i p_i = t,   x >= 0,     p_i = (w_i, b_i, 1),  t = (w_k, b_k, 1),
+
+over the rows of a pool. Mean-initialised rows all sit near the centre of the
+head, and the reduced certificate of the centre (caratheodory.centre_pool) is a
+basis whose weights for such a t have only a few negative entries. The dual
+simplex method removes them: with cost 0 on the starting basis and 1 on every
+other row the start is dual feasible, and each pivot takes the most negative
+weight out of the basis and brings in the row that keeps the reduced costs
+non-negative. A pivot is one product of a basis-inverse row with the pool and a
+rank-one update of the inverse, O(m D); a Carathéodory elimination of the
+token's own costs O(m D^2).
+
+The coordinates: each lifted coordinate is divided by its largest magnitude on
+the pool (so that the units of w, b and 1 do not matter), and the points are
+projected onto their leading right singular vectors. Rows of a normalised head,
+and a bias that is a linear function of the rows (a LayerNorm's shift), span
+fewer than D dimensions; the basis has as many rows as the span. Nothing here is
+trusted: the weights found are solved again on their rows and go through
+certify.check_convex like every other certificate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.linalg
+
+from auditor.engine.caratheodory import lifted_points
+from auditor.engine.head import EngineHead
+
+_SPAN = 1e-9  # singular values below this fraction of the largest: directions the pool does not span
+_PIVOT = 1e-9  # entries of a pivot row below this fraction of its largest: not pivots (a near-singular basis)
+_REFRESH = 64  # pivots between recomputing the basis inverse and the weights from scratch
+
+
+class Basis:
+    """A pool of rows in working coordinates and a basis of them (as many rows as the pool spans) with
+    its inverse, the start of every token's dual simplex."""
+
+    def __init__(self, head: EngineHead, pool: np.ndarray, start: np.ndarray):
+        self.head = head
+        self.pool = np.asarray(pool, dtype=np.int64)
+        lifted = lifted_points(head, self.pool)
+        self.scale = np.maximum(np.abs(lifted).max(axis=0), np.finfo(np.float64).tiny)
+        _, sigma, vt = np.linalg.svd(lifted / self.scale, full_matrices=False)
+        self.span = vt[:int((sigma > _SPAN * sigma[0]).sum())].T  # D x r
+        self.points = (lifted / self.scale) @ self.span  # m x r
+        position = np.flatnonzero(np.isin(self.pool, start))
+        self.start = _independent(self.points, position)
+        self.inverse = np.linalg.inv(self.points[self.start].T) if self.start is not None else None
+
+    def certificate(self, k: int, point: np.ndarray | None = None, max_pivots: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Weights on at most r pool rows other than k whose lifted combination is ``point`` (default token
+        k's own, (w_k, b_k, 1)), found by pivoting from the shared basis; None when the pool's hull does not
+        hold the point, when ``max_pivots`` (default r) pivots do not reach it, or when the basis cannot be
+        built."""
+        if self.inverse is None:
+            return None
+        if point is None:
+            point = lifted_points(self.head, np.array([k]))[0]
+        target = (point / self.scale) @ self.span
+        r = self.span.shape[1]
+        max_pivots = r if max_pivots is None else max_pivots
+        basis, inverse = self.start.copy(), self.inverse.copy()
+        weights = inverse @ target
+        basic = np.zeros(self.pool.size, dtype=bool)
+        basic[basis] = True
+        banned = self.pool == k  # a certificate never uses the token's own row
+        cost = np.where(basic, 0.0, 1.0)  # reduced costs: the start is dual feasible
+        for pivot in range(max_pivots + 1):
+            own = np.flatnonzero(banned[basis])
+            if own.size:  # the token's own row leaves first, whatever its weight
+                leave = int(own[0])
+            else:
+                leave = int(np.argmin(weights))
+                if weights[leave] >= 0:
+                    break
+            if pivot == max_pivots:
+                return None
+            row = self.points @ inverse[leave]  # the leaving row of B^-1 A
+            allowed = ~basic & ~banned
+            threshold = _PIVOT * float(np.abs(row).max())
+            if own.size:  # any pivot that keeps the basis regular
+                candidates = allowed & (np.abs(row) > threshold)
+                if not candidates.any():
+                    return None
+                enter = int(np.argmax(np.where(candidates, np.abs(row), 0.0)))
+            else:  # the dual ratio test: the reduced costs stay non-negative
+                candidates = allowed & (row < -threshold)
+                if not candidates.any():
+                    return None  # no non-negative weights on the pool reach the point: it is outside their hull
+                ratio = np.where(candidates, np.maximum(cost, 0.0) / np.where(candidates, -row, 1.0), np.inf)
+                enter = int(np.argmin(ratio))
+            cost = cost - (cost[enter] / row[enter]) * row  # 0 on the new basis, -theta on the row that leaves
+            cost[enter] = 0.0
+            column = inverse @ self.points[enter]
+            step = weights[leave] / column[leave]
+            weights = weights - step * column
+            weights[leave] = step
+            inverse[leave] /= column[leave]
+            others = np.arange(r) != leave
+            inverse[others] -= np.outer(column[others], inverse[leave])
+            basic[basis[leave]], basic[enter] = False, True
+            basis[leave] = enter
+            if (pivot + 1) % _REFRESH == 0:
+                inverse = np.linalg.inv(self.points[basis].T)
+                weights = inverse @ target
+        weights = np.maximum(scipy.linalg.solve(self.points[basis].T, target, check_finite=False), 0.0)
+        keep = weights > 0
+        if not keep.any():
+            return None
+        return self.pool[basis[keep]], weights[keep] / weights[keep].sum()
+
+
+def _independent(points: np.ndarray, chosen: np.ndarray) -> np.ndarray | None:
+    """Positions of r linearly independent rows of the m x r ``points``, as many as possible among
+    ``chosen`` (pivoted QR), the rest among the others after projecting out the span of the first;
+    None when the points do not span r dimensions."""
+    r = points.shape[1]
+    tolerance = 1e-10 * float(np.linalg.norm(points, axis=1).max())
+    picked = np.zeros(0, dtype=np.int64)
+    others = np.setdiff1d(np.arange(points.shape[0]), chosen)
+    for group in (np.asarray(chosen, dtype=np.int64), others):
+        if picked.size == r or group.size == 0:
+            continue
+        columns = points[group].T
+        if picked.size:
+            q, _ = np.linalg.qr(points[picked].T)
+            columns = columns - q @ (q.T @ columns)
+        _, triangle, order = scipy.linalg.qr(columns, pivoting=True, mode="economic", check_finite=False)
+        rank = int((np.abs(np.diag(triangle)) > tolerance).sum())
+        picked = np.concatenate([picked, group[order[:min(rank, r - picked.size)]]])
+    return picked if picked.size == r else None

@@ -1,0 +1,115 @@
+"""The dual simplex from a shared basis (engine/dual_simplex.py): a certificate exactly when the point lies
+in the hull of the pool (an LP over the pool and, in three dimensions, qhull as oracles), on at most as
+many rows as the pool spans, never the token's own row, and accepted by the float64 check."""
+
+import numpy as np
+import pytest
+import scipy.optimize
+import scipy.spatial
+import torch
+
+from auditor.domain import Unbounded
+from auditor.engine.caratheodory import centre_pool, lifted_points, reduce_support, spread_pool
+from auditor.engine.certify import check_convex
+from auditor.engine.dual_simplex import Basis
+from auditor.engine.head import build_engine_head
+from auditor.engine.ties import duplicate_groups
+from conftest import mean_initialised
+
+
+def engine_head(W, b=None):
+    W, b = torch.from_numpy(W), None if b is None else torch.from_numpy(b)
+    return build_engine_head(W, b, duplicate_groups(W, b), Unbounded(), 1e-10)
+
+
+def in_hull_lp(points: np.ndarray, target: np.ndarray) -> bool:
+    """Oracle: is ``target`` a convex combination of ``points`` (an LP feasibility problem, HiGHS)?"""
+    m = points.shape[0]
+    found = scipy.optimize.linprog(np.zeros(m), A_eq=np.vstack([points.T, np.ones((1, m))]),
+                                   b_eq=np.append(target, 1.0), bounds=(0, None), method="highs")
+    return found.status == 0
+
+
+def assert_certificate(head, W, k, found, bias=None, rows_spanned=None):
+    support, weights = found
+    assert k not in support and np.all(weights > 0) and abs(weights.sum() - 1) < 1e-12
+    assert support.size <= (rows_spanned or W.shape[1] + 1 + (bias is not None))
+    assert np.linalg.norm(weights @ W[support] - W[k]) <= 1e-11 * np.linalg.norm(W[k])
+    assert check_convex(head, k, support, weights).accepted
+
+
+def test_mean_initialised_rows_take_a_few_pivots_from_the_basis_of_the_centre(rng):
+    d = 24
+    old = (rng.standard_normal((3000, d)) * np.arange(1, d + 1) ** -0.7 + 0.3).astype(np.float32)
+    W = np.vstack([old, mean_initialised(old, 4, rng)])
+    head = engine_head(W)
+    pool, support = centre_pool(head, spread_pool(head))
+    basis = Basis(head, pool.indices, support)
+    assert basis.span.shape[1] == d + 1  # the lifted rows span R^(d+1)
+    W64 = W.astype(np.float64)
+    for k in range(3000, 3004):
+        assert_certificate(head, W64, k, basis.certificate(k, max_pivots=d + 1))
+
+
+def test_a_certificate_exactly_when_the_pool_holds_the_point(rng):
+    # three dimensions: qhull and an LP over the pool say which points the pool's hull holds
+    W = rng.standard_normal((400, 3))
+    head = engine_head(W)
+    pool = np.arange(0, 400, 2)  # the even rows; odd rows are the targets
+    start, _, _ = reduce_support(head, pool, np.full(pool.size, 1.0 / pool.size))
+    basis = Basis(head, pool, start)
+    hull = scipy.spatial.Delaunay(W[pool])
+    inside = 0
+    for k in range(1, 400, 2):
+        expected = hull.find_simplex(W[k]) >= 0
+        assert expected == in_hull_lp(W[pool], W[k])
+        found = basis.certificate(k, max_pivots=10_000)
+        assert (found is not None) == expected, k
+        if found is not None:
+            inside += 1
+            assert set(found[0].tolist()) <= set(pool.tolist())
+            assert_certificate(head, W, k, found)
+    assert 20 < inside < 180  # both kinds were tried
+
+
+def test_the_tokens_own_row_leaves_the_basis(rng):
+    W = rng.standard_normal((60, 4))
+    W[59] = W[:59].mean(axis=0)  # inside the hull of the others
+    head = engine_head(W)
+    pool = np.arange(60)
+    start, _, _ = reduce_support(head, np.arange(59), np.full(59, 1 / 59))
+    start = np.append(start[1:], 59)  # the token's own row in the starting basis
+    basis = Basis(head, pool, start)
+    assert 59 in basis.pool[basis.start]
+    assert_certificate(head, W, 59, basis.certificate(59, max_pivots=1000))
+
+
+def test_rows_on_a_hyperplane_span_fewer_dimensions(rng):
+    # normalised rows have mean zero across coordinates: (w, 1) spans d dimensions, not d + 1
+    W = rng.standard_normal((500, 8))
+    W -= W.mean(axis=1, keepdims=True)
+    W = np.vstack([W, W.mean(axis=0)])
+    head = engine_head(W)
+    pool, support = centre_pool(head, spread_pool(head))
+    basis = Basis(head, pool.indices, support)
+    assert basis.span.shape[1] == 8
+    assert_certificate(head, W, 500, basis.certificate(500), rows_spanned=8)
+
+
+@pytest.mark.parametrize("raised", [0.0, 1e-3])
+def test_with_a_bias_the_target_fixes_the_weights_bias(rng, raised):
+    n, d = 800, 6
+    W = rng.standard_normal((n, d))
+    b = 0.1 * rng.standard_normal(n)
+    W[-1], b[-1] = W[:-1].mean(axis=0), b[:-1].mean() - 0.05  # inside, and below the others' mean bias
+    head = engine_head(W, b)
+    pool, support = centre_pool(head, spread_pool(head))
+    basis = Basis(head, pool.indices, support)
+    point = lifted_points(head, np.array([n - 1]))[0]
+    point[-2] += raised
+    support, weights = basis.certificate(n - 1, point, max_pivots=1000)
+    assert np.linalg.norm(weights @ W[support] - W[-1]) <= 1e-11 * np.linalg.norm(W[-1])
+    assert abs(weights @ b[support] - (b[-1] + raised)) <= 1e-12  # the bias it was asked for, exactly
+    if raised:  # the weights' bias exceeds b_k by the amount asked for: a certificate in R^d
+        check = check_convex(head, n - 1, support, weights)
+        assert check.accepted and check.bias_gap <= -0.99 * raised
