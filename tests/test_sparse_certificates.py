@@ -113,7 +113,7 @@ def test_batched_reductions_keep_each_combination_on_at_most_D_rows(rng, with_bi
 
 
 def test_the_batched_elimination_takes_the_steps_of_the_single_one(rng):
-    from auditor.engine.caratheodory import _eliminate, _eliminate_batch
+    from auditor.engine.caratheodory import _eliminate_batch, eliminate
 
     m, D = 90, 30
     points = np.stack([np.hstack([rng.standard_normal((m, D - 1)), np.ones((m, 1))]) for _ in range(5)])
@@ -122,7 +122,7 @@ def test_the_batched_elimination_takes_the_steps_of_the_single_one(rng):
     batched, failed = _eliminate_batch(torch.from_numpy(points), torch.from_numpy(alpha))
     assert not failed.any()
     for j in range(5):
-        single = _eliminate(points[j], alpha[j])
+        single = eliminate(points[j], alpha[j])
         assert np.count_nonzero(batched[j].numpy()) == D
         assert np.array_equal(batched[j].numpy() > 0, single > 0)  # the same rows dropped, in the same order
         assert np.allclose(batched[j].numpy(), single, rtol=0, atol=1e-12)

@@ -35,7 +35,7 @@ import torch
 
 from auditor.engine.head import EngineHead
 
-_GATHER_ROWS = 8192  # rows gathered in float64 at a time when forming group means
+_GATHER_ROWS = 2048  # rows gathered in float64 at a time when forming group means
 _PANEL = 64  # null vectors corrected together by one triangular solve and one matrix product
 
 
@@ -48,11 +48,11 @@ def reduce_support(head: EngineHead, indices: np.ndarray, weights: np.ndarray
     dim = lifted_dimension(head)
     while indices.size > 2 * dim:
         merge = _Merge(head, indices, alpha)
-        indices, alpha = merge.keep(_eliminate(merge.means, merge.mass))
+        indices, alpha = merge.keep(eliminate(merge.means, merge.mass))
     points = lifted_points(head, indices)
     pool = Pool(indices, points)
     if indices.size > dim:
-        alpha = _eliminate(points, alpha)
+        alpha = eliminate(points, alpha)
         survive = alpha > 0
         indices, alpha = indices[survive], alpha[survive]
     return indices, alpha / alpha.sum(), pool
@@ -161,7 +161,7 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
         if narrowed is not None:
             narrowed[:] = [last]  # one pool kept: the newest
         return union, alpha
-    alpha = _eliminate(lifted_points(head, union), alpha)
+    alpha = eliminate(lifted_points(head, union), alpha)
     survive = alpha > 0
     return union[survive], alpha[survive] / alpha[survive].sum()
 
@@ -242,7 +242,7 @@ def _group_means(head: EngineHead, indices: np.ndarray, alpha: np.ndarray, label
 
 
 def _null_vectors(points: np.ndarray) -> np.ndarray:
-    """(m - D) x m: a basis of the u with u @ points = 0, for m x D points of rank D (see _eliminate)."""
+    """(m - D) x m: a basis of the u with u @ points = 0, for m x D points of rank D (see eliminate)."""
     m, dim = points.shape
     columns = points / np.maximum(np.abs(points).max(axis=0), np.finfo(np.float64).tiny)
     order, lower, _ = scipy.linalg.lu(columns, p_indices=True, check_finite=False)  # columns = lower[order] U
@@ -253,7 +253,7 @@ def _null_vectors(points: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(basis[order].T)  # back in the points' order
 
 
-def _eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+def eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     """Carathéodory by null-space steps: non-negative weights on at most D of the m points with
     ``weights @ points == alpha @ points`` (up to rounding). ``points`` is m x D, ``alpha`` >= 0.
 
@@ -310,7 +310,10 @@ def _eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     return alpha
 
 
-_BATCH = 8  # certificates whose elimination steps run as one batch of tensor operations
+_BATCH = 8  # certificates whose elimination steps run as one batch of tensor operations, at most
+_BATCH_BYTES = 1 << 27  # and within this memory: three float64 2D x D arrays a certificate (its points, its
+#                         null vectors, overwritten by their corrections, and the triangle of those), so that
+#                         wide heads batch fewer
 _BATCH_PANEL = 64  # the batched steps' panel: each step re-reads its panel's earlier vectors
 
 
@@ -320,25 +323,26 @@ def reduce_supports(head: EngineHead, certificates: list[tuple[np.ndarray, np.nd
     of them run as one batched elimination (_eliminate_batch), each step a few tensor operations on all of
     them together; so does the last elimination, on the at most 2D rows left of each."""
     dim = lifted_dimension(head)
+    batch_size = max(1, min(_BATCH, _BATCH_BYTES // (3 * 8 * 2 * dim * dim)))
     states = [_positive(indices, weights) for indices, weights in certificates]
     while True:
         large = [j for j, (indices, _) in enumerate(states) if indices.size > 2 * dim]
         if not large:
             break
-        for s in range(0, len(large), _BATCH):
-            batch = large[s:s + _BATCH]
+        for s in range(0, len(large), batch_size):
+            batch = large[s:s + batch_size]
             merges = [_Merge(head, *states[j]) for j in batch]
             kept, failed = _eliminate_batch(torch.as_tensor(np.stack([m.means for m in merges]), device=head.device),
                                             torch.as_tensor(np.stack([m.mass for m in merges]), device=head.device))
             kept = kept.cpu().numpy()
             for row, (j, merge) in enumerate(zip(batch, merges)):
-                states[j] = merge.keep(_eliminate(merge.means, merge.mass) if failed[row] else kept[row])
+                states[j] = merge.keep(eliminate(merge.means, merge.mass) if failed[row] else kept[row])
     # The last elimination, on the rows themselves (at most 2D, a different number per certificate): each
     # certificate is padded to 2D rows with copies of its first row at weight 0 (any weight the steps move
     # onto them is the first row's).
     large = [j for j, (indices, _) in enumerate(states) if indices.size > dim]
-    for s in range(0, len(large), _BATCH):
-        batch = large[s:s + _BATCH]
+    for s in range(0, len(large), batch_size):
+        batch = large[s:s + batch_size]
         size = 2 * dim  # the same for every certificate, so that none depends on its batch
         points, weights = [], []
         for j in batch:
@@ -353,7 +357,7 @@ def reduce_supports(head: EngineHead, certificates: list[tuple[np.ndarray, np.nd
         for row, j in enumerate(batch):
             indices, alpha = states[j]
             if failed[row]:
-                alpha = _eliminate(points[row][:indices.size], alpha)
+                alpha = eliminate(points[row][:indices.size], alpha)
             else:  # weight the steps moved onto the copies goes back to the row they copy
                 alpha = kept[row][:indices.size].copy()
                 alpha[0] += kept[row][indices.size:].sum()
@@ -363,13 +367,13 @@ def reduce_supports(head: EngineHead, certificates: list[tuple[np.ndarray, np.nd
 
 
 def _eliminate_batch(points: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
-    """``_eliminate`` for a batch: points B x m x D (m > D), weights B x m >= 0, on the device.
+    """``eliminate`` for a batch: points B x m x D (m > D), weights B x m >= 0, on the device.
 
-    The same steps as ``_eliminate``, taken for every certificate of the batch together: null vectors
+    The same steps as ``eliminate``, taken for every certificate of the batch together: null vectors
     from an LU factorisation of each, then m - D steps, each dropping one row per certificate, with the
     corrections by earlier panels applied by batched triangular solves and products. Returns the new
     weights and, per certificate, whether a step found no direction to move in (rounding); those are
-    done again by ``_eliminate``.
+    done again by ``eliminate``.
     """
     batch, m, dim = points.shape
     r = m - dim
@@ -377,7 +381,6 @@ def _eliminate_batch(points: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.T
     # the null vectors one certificate at a time (an LU factorisation each: a fraction of the steps' cost)
     null = torch.as_tensor(np.stack([_null_vectors(p) for p in points.cpu().numpy()]), device=device)
     alpha = alpha.clone()
-    used = torch.zeros(batch, r, m, dtype=points.dtype, device=device)
     triangle = torch.zeros(batch, r, r, dtype=points.dtype, device=device)
     dropped = torch.zeros(batch, r, dtype=torch.int64, device=device)
     alive = torch.ones(batch, m, dtype=torch.bool, device=device)
@@ -389,14 +392,14 @@ def _eliminate_batch(points: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.T
             x = torch.linalg.solve_triangular(triangle[:, :start, :start],
                                               panel.gather(2, seen[:, None, :].expand(-1, panel.shape[1], -1)).mT,
                                               upper=False)
-            panel -= x.mT @ used[:, :start]
+            panel -= x.mT @ null[:, :start]
         for i in range(panel.shape[1]):
             j = start + i
             u = panel[:, i]
             if i:
                 x = torch.linalg.solve_triangular(triangle[:, start:j, start:j], u.gather(1, dropped[:, start:j])[..., None],
                                                   upper=False)
-                u = u - (x.mT @ used[:, start:j])[:, 0]
+                u = u - (x.mT @ null[:, start:j])[:, 0]
             u = u.masked_fill(~alive, 0.0)
             u = torch.where((u.amax(dim=1) <= 0)[:, None], -u, u)
             positive = alive & (u > 0)
@@ -408,7 +411,7 @@ def _eliminate_batch(points: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.T
             alpha = (alpha - step[:, None] * u).clamp_(min=0.0)  # rounding may leave -1e-17 where ratios tied
             alpha.scatter_(1, out[:, None], 0.0)
             alive.scatter_(1, out[:, None], False)
-            used[:, j] = u
+            null[:, j] = u  # its null vector is spent: the corrected one takes its place
             dropped[:, j] = out
-            triangle[:, j, :j + 1] = used[:, :j + 1].gather(2, out[:, None, None].expand(-1, j + 1, 1))[..., 0]
+            triangle[:, j, :j + 1] = null[:, :j + 1].gather(2, out[:, None, None].expand(-1, j + 1, 1))[..., 0]
     return alpha, failed.cpu().numpy()

@@ -109,7 +109,10 @@ class Basis:
             if (pivot + 1) % _REFRESH == 0:
                 inverse = np.linalg.inv(self.points[basis].T)
                 weights = inverse @ target
-        weights = np.maximum(scipy.linalg.solve(self.points[basis].T, target, check_finite=False), 0.0)
+        # one step of iterative refinement with the inverse at hand: the weights as accurate as a fresh solve
+        matrix = self.points[basis].T
+        weights = inverse @ target
+        weights = np.maximum(weights + inverse @ (target - matrix @ weights), 0.0)
         keep = weights > 0
         if not keep.any():
             return None

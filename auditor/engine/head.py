@@ -50,6 +50,8 @@ class EngineHead:
     # settled on them in rational arithmetic (on the head's own rows when they carry no error)
     exact_source: tuple | None = None
     decide_at_tolerance: bool = True  # see EngineOptions; witnesses then lead by more than witness_lead
+    # the origin of the coordinates the rows were given in, in this head's (normal form) coordinates; None: 0
+    origin: torch.Tensor | None = None
 
     @property
     def max_row_error(self) -> float:
@@ -235,11 +237,20 @@ def _offsets(rows: torch.Tensor, centre: torch.Tensor | None) -> torch.Tensor:
     return rows - centre if centre is not None else rows
 
 
+_MEDIAN_ENTRIES = 1 << 22  # entries of the block of columns one selection sorts (16 MiB of float32)
+
+
 def median_row(weight: torch.Tensor, competitor: torch.Tensor) -> torch.Tensor:
     """The coordinate-wise lower median of the competitor rows (float64): a centre no far row can
-    drag, which moves exactly with the rows when they are all translated or scaled."""
-    columns = weight[competitor].T.contiguous()  # each column's selection then reads contiguous memory
-    return torch.kthvalue(columns, (columns.shape[1] + 1) // 2, dim=1).values.to(torch.float64)
+    drag, which moves exactly with the rows when they are all translated or scaled. A few columns at a
+    time, each block copied contiguous for the selection, so that no copy of the whole head is made."""
+    rows = torch.nonzero(competitor).flatten()
+    width = max(1, _MEDIAN_ENTRIES // max(rows.numel(), 1))
+    median = torch.empty(weight.shape[1], dtype=torch.float64, device=weight.device)
+    for s in range(0, weight.shape[1], width):
+        columns = weight[:, s:s + width].index_select(0, rows).T.contiguous()
+        median[s:s + width] = torch.kthvalue(columns, (columns.shape[1] + 1) // 2, dim=1).values.to(torch.float64)
+    return median
 
 
 def storage_dtype(weight: torch.Tensor) -> torch.dtype:

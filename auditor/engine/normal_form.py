@@ -81,15 +81,22 @@ def _exponent(peak: float) -> int:
 
 
 def _scaled(t: torch.Tensor, e: int, what: str) -> torch.Tensor:
+    """t 2^e, checked exact (no entry under- or overflowed) by scaling back; by blocks of rows, so that the
+    one copy made is the result."""
     if e == 0:
         return t
     factor_a, factor_b = _halves(e)
-    scaled = times_power_of_two(t, e)
-    if not torch.equal(scaled * (1 / factor_a) * (1 / factor_b), t):
-        if t.dtype == torch.float32:  # float32's narrower range: float64 holds it exactly
-            return _scaled(t.to(torch.float64), e, what)
-        raise InputError(f"the {what} spans more orders of magnitude than float64 can hold exactly "
-                         f"(largest entry {float(t.abs().max()):.3g}); rescale it")
+    scaled = torch.empty_like(t)
+    for s in range(0, t.shape[0], _BLOCK_ROWS):
+        block = t[s:s + _BLOCK_ROWS]
+        part = scaled[s:s + _BLOCK_ROWS]
+        torch.mul(block, factor_a, out=part).mul_(factor_b)
+        if not torch.equal(part * (1 / factor_a) * (1 / factor_b), block):
+            if t.dtype == torch.float32:  # float32's narrower range: float64 holds it exactly
+                del scaled
+                return _scaled(t.to(torch.float64), e, what)
+            raise InputError(f"the {what} spans more orders of magnitude than float64 can hold exactly "
+                             f"(largest entry {float(t.abs().max()):.3g}); rescale it")
     return scaled
 
 

@@ -10,7 +10,9 @@
              the norm domain included, and boxes with the l1 norm, with a bias; the
              unbounded domain with a bias on a ladder of large balls)
 5. newton    maximum-entropy convex combinations by Newton's method (with a bias, leaning
-             towards the rows of larger bias)
+             towards the rows of larger bias); first, without a bias, rows whose ray from a
+             rival passes through the origin (a row swallowed by a longer copy of itself)
+             take one sparse certificate of the origin, found once (anchor.py)
 6. lp        constraint generation with cvxpy for whatever is left, under one budget
              of rounds that the tokens still converging share
 7. whatever no stage proved is ``inconclusive``, with the bounds found
@@ -32,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from auditor.domain import Ball, Domain
+from auditor.engine.anchor import anchored_certificates
 from auditor.engine.bounded_dual import bounded_dual
 from auditor.engine.decisions import (ARGMAXABLE, INCONCLUSIVE, STAGES, UNDECIDED, Decisions, set_convex,
                                       set_witness, spread_to_groups, undecided)
@@ -39,7 +42,7 @@ from auditor.engine.frank_wolfe import frank_wolfe
 from auditor.engine.head import EngineHead, build_engine_head, storage_dtype
 from auditor.engine.interior import interior_certificates
 from auditor.engine.lp import lp_decide_all
-from auditor.engine.normal_form import normal_form, to_given_units
+from auditor.engine.normal_form import normal_form, times_power_of_two, to_given_units
 from auditor.engine.rounding import safe_norm
 from auditor.engine.screen import screen, whitened_witnesses
 from auditor.engine.settle import settle_dual, settle_frank_wolfe, sparsify
@@ -90,6 +93,8 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     head = build_engine_head(form.weight, form.bias, representative, form.domain, options.residual_tol,
                              form.row_error, form.bias_error)
     head.decide_at_tolerance = options.decide_at_tolerance
+    if form.translation is not None:
+        head.origin = times_power_of_two(-form.translation.to(torch.float64), form.weight_exponent)
     if row_error is None and bias_error is None and (form.row_error is not None or form.bias_error is not None):
         # exact numbers the normal form rounded (a translation, a shifted bias): kept for the rational
         # test of check_convex; otherwise the head's own rows are exact and no second copy stays alive
@@ -230,6 +235,9 @@ def _homogenising_radii(head: EngineHead) -> list[float]:
 
 
 def _newton(head: EngineHead, out: Decisions, left: np.ndarray, options: EngineOptions, progress: bool) -> np.ndarray:
+    for k, (indices, weights, residual, gap) in anchored_certificates(head, left, options.newton_iterations).items():
+        set_convex(out, k, indices, weights, residual, gap, "newton")
+    left = left[out.verdict[left] == UNDECIDED]
     with _bar(len(left), "newton", progress) as bar:
         settled = tilted_certificates(head, left, options.newton_iterations, progress=bar)
     for k, (indices, weights, residual, gap) in settled.items():

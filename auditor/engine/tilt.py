@@ -144,10 +144,37 @@ def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float,
     if head.bias is not None:
         mask += lean * _bias_lean(head)[None, :]
     mask[rows, k] = -torch.inf
-    theta = torch.zeros(batch, head.d, dtype=torch.float64, device=device) if start is None else start.clone()
-    value, logits = _objective(head, theta, p, mask)
     # The residual the certificate may rest on; the check adds its rounding bound, about 2 n u ||w||.
     goal = torch.tensor([head.residual_tolerance(int(t)) for t in ids], dtype=torch.float64, device=device)
+    # p carries 1/mu of the certificate: its residual counts 1/mu
+    pi, least, theta = maximum_entropy(head, p, mask, goal * mu, iterations, start)
+
+    found = {}
+    reproduced = {int(t) for t, r in zip(ids.tolist(), (least / mu <= goal).tolist()) if r}
+    for b, token in enumerate(ids.tolist()):
+        weights = pi[b] / mu[b]
+        if int(j[b]) >= 0:
+            weights[j[b]] += 1.0 - 1.0 / mu[b]
+        support = torch.nonzero(weights > 0).flatten()
+        indices = support.cpu().numpy()
+        values = weights[support].cpu().numpy()
+        check = check_convex(head, token, indices, values)
+        # With a bias the lean is there to push a bounded domain's dual value below zero; a value that is
+        # zero up to the tolerance (a tie) is left to the exact stage, which finds the tie's own weights.
+        if check.accepted and not (lean and head.domain.bounded and check.residual > 0):
+            found[token] = (indices, values, check.residual, check.bias_gap)
+    return found, reproduced, theta
+
+
+def maximum_entropy(head: EngineHead, p: torch.Tensor, mask: torch.Tensor, goal: torch.Tensor, iterations: int,
+                    start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Newton's method on F for a batch of points ``p`` (B x d), the logits offset by ``mask`` (B x n: -inf
+    for rows a point may not use), until each point is reproduced to ``goal``: (the weights pi, B x n, the
+    least residual ||sum pi_i w_i - p|| seen, the final theta), from theta = ``start`` (zero when None)."""
+    device = head.device
+    batch = p.shape[0]
+    theta = torch.zeros(batch, head.d, dtype=torch.float64, device=device) if start is None else start.clone()
+    value, logits = _objective(head, theta, p, mask)
     running = torch.ones(batch, dtype=torch.bool, device=device)
     pi = torch.softmax(logits, dim=1)
     best = torch.full((batch,), torch.inf, dtype=torch.float64, device=device)
@@ -159,7 +186,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float,
             break
         mean = head.combine(pi[live])
         gradient = mean - p[live]
-        residual = torch.linalg.vector_norm(gradient, dim=1) / mu[live]
+        residual = torch.linalg.vector_norm(gradient, dim=1)
         # Give up on tokens whose residual has not halved in a while: p is on or outside the hull.
         least[live] = torch.minimum(least[live], residual)
         improved = residual < 0.5 * best[live]
@@ -198,21 +225,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float,
             eta[where[~accept]] *= 0.5
         running[live[pending]] = False  # no decrease along a Newton direction: F is flat or unbounded here
 
-    found = {}
-    reproduced = {int(t) for t, r in zip(ids.tolist(), (least <= goal).tolist()) if r}
-    for b, token in enumerate(ids.tolist()):
-        weights = pi[b] / mu[b]
-        if int(j[b]) >= 0:
-            weights[j[b]] += 1.0 - 1.0 / mu[b]
-        support = torch.nonzero(weights > 0).flatten()
-        indices = support.cpu().numpy()
-        values = weights[support].cpu().numpy()
-        check = check_convex(head, token, indices, values)
-        # With a bias the lean is there to push a bounded domain's dual value below zero; a value that is
-        # zero up to the tolerance (a tie) is left to the exact stage, which finds the tie's own weights.
-        if check.accepted and not (lean and head.domain.bounded and check.residual > 0):
-            found[token] = (indices, values, check.residual, check.bias_gap)
-    return found, reproduced, theta
+    return pi, least, theta
 
 
 def _newton_steps(head: EngineHead, pi: torch.Tensor, mean: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""Rows on a ray through the origin: one sparse certificate of the origin serves them all.
+
+A row swallowed by a longer copy of itself, w_j = s w_k with s > 1, lies on the
+segment from w_j to the origin of the coordinates the head was given in:
+
+    w_k = (1 - 1/mu) w_j + (1/mu) p,   p = w_j + mu (w_k - w_j),
+
+with p the origin itself (mu = s / (s - 1)). When the origin lies inside the
+hull of the rows, a convex certificate of p and the weight 1 - 1/mu on w_j
+certify w_k. Rows shrunk towards the origin, and rows near it, have rays that
+pass near it as well.
+
+The origin's certificate is found once per head: maximum-entropy weights on all
+rows by Newton's method (tilt.maximum_entropy), reduced to at most D rows
+(caratheodory.reduce_support), whose basis on the rows of the reduction's last
+round starts the dual simplex (dual_simplex.Basis) for each token's own point p,
+the point of its ray closest to the origin: a few pivots from the origin's
+basis. With the weight on w_j the certificate has at most D + 1 rows, and one
+elimination brings it to D. So such a token costs neither a Newton solve of its
+own nor a full reduction of a dense certificate. Every certificate goes through
+certify.check_convex.
+
+The origin and its basis depend on the head alone, and whether a token takes
+this route on its own row, so a token's certificate does not depend on the
+tokens decided with it. Heads with a bias take the per-token Newton stage: the
+origin's weights would also have to carry a bias above the token's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from auditor.engine.caratheodory import eliminate, lifted_dimension, lifted_points, reduce_support
+from auditor.engine.certify import check_convex
+from auditor.engine.dual_simplex import Basis
+from auditor.engine.head import EngineHead
+from auditor.engine.tilt import maximum_entropy
+
+_REACH = 1e-3  # a ray passing within this many typical spreads of the origin is worth the route
+_RAY_RIVALS = 16  # candidates for w_j: the strongest rivals at z = w_k and the rows most nearly parallel to it
+_BATCH = 64
+
+
+class _Origin:
+    """The origin's basis (None when the origin is not inside the hull of the rows)."""
+
+    def __init__(self, head: EngineHead, iterations: int):
+        self.point = head.origin if head.origin is not None else torch.zeros(head.d, dtype=torch.float64,
+                                                                             device=head.device)
+        self.basis = None
+        mask = torch.zeros(1, head.n, dtype=torch.float64, device=head.device)
+        if head.row_mask is not None:
+            mask += head.row_mask[None, :]
+        goal = torch.tensor([1e-3 * head.residual_tol * head.typical_spread], dtype=torch.float64, device=head.device)
+        pi, least, _ = maximum_entropy(head, self.point[None, :], mask, goal, iterations)
+        if not bool(least[0] <= goal[0]):
+            return  # the origin is outside the hull, or on its boundary
+        support = torch.nonzero(pi[0] > 0).flatten()
+        indices, weights, pool = reduce_support(head, support.cpu().numpy(), pi[0, support].cpu().numpy())
+        self.basis = Basis(head, pool.indices, indices)
+
+
+def anchored_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 40
+                          ) -> dict[int, tuple[np.ndarray, np.ndarray, float, float]]:
+    """Return ``{k: (indices, weights, residual, bias_gap)}`` for the tokens whose ray from a rival through
+    their row passes within _REACH typical spreads of the origin and whose certificate that way checks."""
+    found: dict[int, tuple[np.ndarray, np.ndarray, float, float]] = {}
+    if len(ids) == 0 or head.bias is not None or head.n_competitors <= head.d or head.typical_spread == 0:
+        return found
+    rays = [ray for s in range(0, len(ids), _BATCH) for ray in _rays(head, ids[s:s + _BATCH])]
+    near = [(int(k), j, mu, p) for k, (j, mu, p, distance) in zip(ids.tolist(), rays)
+            if distance <= _REACH * head.typical_spread]
+    if not near:
+        return found
+    origin = _Origin(head, iterations)
+    if origin.basis is None:
+        return found
+    dim = lifted_dimension(head)
+    for k, j, mu, p in near:
+        rest = origin.basis.certificate(k, np.append(p, 1.0), max_pivots=max(dim // 4, 16))
+        if rest is None or j in rest[0]:
+            continue
+        indices = np.append(rest[0], j)
+        weights = np.append(rest[1] / mu, 1.0 - 1.0 / mu)
+        if indices.size > dim:
+            weights = eliminate(lifted_points(head, indices), weights)
+            indices, weights = indices[weights > 0], weights[weights > 0]
+        check = check_convex(head, k, indices, weights)
+        if check.accepted:
+            found[k] = (indices, weights / weights.sum(), check.residual, check.bias_gap)
+    return found
+
+
+def _rays(head: EngineHead, ids: np.ndarray) -> list[tuple[int, float, np.ndarray, float]]:
+    """Per token, of the rays from its candidate rivals w_j through w_k: (j, mu, p, ||p - origin||) for the one
+    passing closest to the origin beyond w_k (mu > 1); distance inf when none does."""
+    k = torch.as_tensor(ids, device=head.device)
+    w_k = head.rows64(k)
+    logits = head.logits(w_k)
+    if head.row_mask is not None:
+        logits += head.row_mask[None, :]
+    logits[torch.arange(len(k), device=head.device), k] = -torch.inf
+    count = min(_RAY_RIVALS, head.n - 1)
+    cosine = logits / head.row_norm.clamp(min=torch.finfo(torch.float64).tiny)[None, :]
+    rivals = torch.cat([torch.topk(logits, count, dim=1).indices, torch.topk(cosine, count, dim=1).indices], dim=1)
+    origin = head.origin if head.origin is not None else torch.zeros(head.d, dtype=torch.float64, device=head.device)
+    w_j = head.rows64(rivals.reshape(-1)).reshape(*rivals.shape, head.d)
+    u = w_k[:, None, :] - w_j
+    reach = (u * u).sum(dim=2)
+    mu = torch.where(reach > 0, ((origin - w_j) * u).sum(dim=2) / reach.clamp(min=torch.finfo(torch.float64).tiny),
+                     torch.zeros_like(reach))
+    p = w_j + mu[:, :, None] * u
+    distance = torch.where(mu > 1, torch.linalg.vector_norm(p - origin, dim=2), torch.full_like(mu, torch.inf))
+    best = distance.argmin(dim=1)
+    rows = torch.arange(len(k), device=head.device)
+    return [(int(j), float(m), q.cpu().numpy(), float(dist)) for j, m, q, dist in
+            zip(rivals[rows, best], mu[rows, best], p[rows, best], distance[rows, best])]

@@ -1,0 +1,101 @@
+"""Rows on a ray through the origin (engine/anchor.py): a row swallowed by a longer copy of itself takes
+the origin's certificate and the weight on the copy, on at most D rows, checked in float64 and against
+an LP over all rows."""
+
+import numpy as np
+import pytest
+import torch
+
+import auditor
+from auditor.domain import Unbounded
+from auditor.engine.anchor import anchored_certificates
+from auditor.engine.head import build_engine_head
+from auditor.engine.ties import duplicate_groups
+from oracles import convex_residual, lp_margin
+
+
+def trained_like(rng, n, d, offset):
+    """Rows with a decaying spectrum and a common offset ``offset`` standard deviations long on the first axis."""
+    spectrum = np.arange(1, d + 1) ** -0.7
+    rows = rng.standard_normal((n, d)) * np.sqrt(spectrum)
+    rows[:, 0] += offset * np.sqrt(spectrum[0])
+    return rows
+
+
+def swallowed(rows, rng, count, origin=None):
+    """Make ``count`` rows each the shorter copy of another, w_j - o = 1.01 (w_k - o) about the point o;
+    returns the shorter rows' ids."""
+    origin = np.zeros(rows.shape[1]) if origin is None else origin
+    slots = rng.choice(rows.shape[0], size=2 * count, replace=False)
+    for k, j in zip(slots[:count], slots[count:]):
+        rows[j] = origin + 1.01 * (rows[k] - origin)
+    return np.sort(slots[:count])
+
+
+def engine_head(W):
+    W = torch.from_numpy(W)
+    return build_engine_head(W, None, duplicate_groups(W, None), Unbounded(), 1e-10)
+
+
+def test_swallowed_rows_take_the_certificate_of_the_origin(rng):
+    n, d = 3000, 12
+    W = trained_like(rng, n, d, offset=2.0)
+    planted = swallowed(W, rng, 5)
+    head = engine_head(W)
+    found = anchored_certificates(head, planted)
+    assert set(found) == set(planted.tolist())
+    for k, (indices, weights, residual, gap) in found.items():
+        assert indices.size <= d + 1 and k not in indices and np.all(weights > 0)
+        assert convex_residual(W, None, k, indices, weights)[0] <= 1e-12 * np.linalg.norm(W[k])
+        assert lp_margin(W, None, k)[0] <= 1e-9  # the LP over all rows agrees: no z makes it win
+
+
+def test_the_route_leaves_rows_whose_ray_misses_the_origin(rng):
+    n, d = 2000, 8
+    W = trained_like(rng, n, d, offset=1.0)
+    inside = np.array([n - 1])
+    W[-1] = 0.5 * W[3] + 0.5 * W[7]  # inside the hull, but its rays from rivals miss the origin
+    head = engine_head(W)
+    assert anchored_certificates(head, inside) == {}
+    report = auditor.audit(W, progress=False)
+    assert report.tokens[n - 1].verdict == "unargmaxable"
+
+
+def test_an_origin_outside_the_hull_leaves_the_tokens_to_the_newton_stage(rng):
+    n, d = 2000, 8
+    W = trained_like(rng, n, d, offset=12.0)  # every row far on one side of the origin
+    planted = swallowed(W, rng, 3)
+    head = engine_head(W)
+    assert anchored_certificates(head, planted) == {}  # the origin has no certificate: nothing guessed
+    report = auditor.audit(W, progress=False)
+    for k in planted.tolist():  # the oracle decides; the audit agrees
+        assert (report.tokens[k].verdict == "unargmaxable") == (lp_margin(W, None, k)[0] <= 1e-9)
+
+
+def test_the_origin_is_the_one_the_rows_were_given_in(rng):
+    # The normal form translates a head whose rows sit far from the origin; the route's origin is then
+    # the given one, in the head's own coordinates (head.origin).
+    n, d = 3000, 10
+    W = trained_like(rng, n, d, offset=2.0)
+    planted = swallowed(W, rng, 4)
+    shift = np.full(d, 3.0)
+    head = engine_head(W + shift)
+    head.origin = torch.from_numpy(shift)  # what the pipeline sets for a translated head
+    found = anchored_certificates(head, planted)
+    assert set(found) == set(planted.tolist())
+    for k, (indices, weights, _, _) in found.items():
+        assert convex_residual(W + shift, None, k, indices, weights)[0] <= 1e-11 * np.linalg.norm(W[k] + shift)
+
+
+@pytest.mark.parametrize("offset", [0.0, 2.0])
+def test_audits_of_swallowed_rows_match_the_lp(rng, offset):
+    n, d = 2500, 10
+    W = trained_like(rng, n, d, offset)
+    planted = swallowed(W, rng, 4)
+    report = auditor.audit(W.astype(np.float32), progress=False)
+    W32 = W.astype(np.float32).astype(np.float64)
+    for k in planted.tolist():
+        token = report.tokens[k]
+        assert token.verdict == "unargmaxable" and token.convex_indices.size <= d + 1
+        assert lp_margin(W32, None, k)[0] <= 1e-9
+    assert auditor.verify(report, W.astype(np.float32)).ok
