@@ -99,3 +99,22 @@ def test_audits_of_swallowed_rows_match_the_lp(rng, offset):
         assert token.verdict == "unargmaxable" and token.convex_indices.size <= d + 1
         assert lp_margin(W32, None, k)[0] <= 1e-9
     assert auditor.verify(report, W.astype(np.float32)).ok
+
+
+def test_a_translated_head_takes_the_route_through_the_origin_it_was_given_in(rng, monkeypatch):
+    # A tight cloud far from the origin (the normal form translates it) and a few rows around the origin
+    # keep the origin inside the hull; rows swallowed towards the given origin are settled by the route
+    # alone: Frank-Wolfe and the per-token Newton solves are switched off.
+    import auditor.engine.pipeline as pipeline
+
+    n, d = 2000, 6
+    far = 1000.0 * np.eye(d)[0] + trained_like(rng, n, d, offset=0.0)
+    around = 3000.0 * np.vstack([np.eye(d), -np.eye(d)])
+    W = np.vstack([far, around])
+    planted = swallowed(W[:n], rng, 3)
+    monkeypatch.setattr(pipeline, "tilted_certificates", lambda *args, **kwargs: {})
+    report = auditor.audit(W, progress=False, frank_wolfe_iterations=0)
+    for k in planted.tolist():
+        token = report.tokens[k]
+        assert token.verdict == "unargmaxable" and token.stage == "newton" and token.convex_indices.size <= d + 1
+    assert auditor.verify(report, W).ok

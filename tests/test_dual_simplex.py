@@ -113,3 +113,34 @@ def test_with_a_bias_the_target_fixes_the_weights_bias(rng, raised):
     if raised:  # the weights' bias exceeds b_k by the amount asked for: a certificate in R^d
         check = check_convex(head, n - 1, support, weights)
         assert check.accepted and check.bias_gap <= -0.99 * raised
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_own_row_leaves_within_the_default_pivots(seed):
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((300, 6))
+    W[299] = 0.6 * W[:299].mean(axis=0) + 0.4 * W[5]  # inside the hull of the others
+    head = engine_head(W)
+    start, _, _ = reduce_support(head, np.arange(299), np.full(299, 1 / 299))
+    basis = Basis(head, np.arange(300), np.append(start[1:], 299))
+    assert 299 in basis.pool[basis.start]
+    assert_certificate(head, W, 299, basis.certificate(299))  # at most r = 7 pivots
+
+
+def test_a_biased_mean_row_is_reduced_through_the_basis_with_half_the_dense_excess(rng):
+    from auditor.engine.decisions import STAGES
+    from auditor.engine.settle import _CentreRoutes
+
+    n, d = 1500, 8
+    W = rng.standard_normal((n, d))
+    b = 0.1 * rng.standard_normal(n)
+    W[-1], b[-1] = W[:-1].mean(axis=0), b[:-1].mean() - 0.01
+    head = engine_head(W, b)
+    dense = np.arange(n - 1)
+    alpha = np.full(n - 1, 1.0 / (n - 1))  # the uniform weights: bias excess exactly 0.01 above b_k
+    gap = float(b[-1] - alpha @ b[:-1])
+    reduced = _CentreRoutes(head).reduce(n - 1, dense, alpha, 0.0, gap)
+    assert reduced is not None and STAGES  # a certificate through the routes
+    indices, weights, _, reduced_gap = reduced
+    assert indices.size <= d + 2
+    assert reduced_gap == pytest.approx(gap / 2, rel=1e-6)  # the basis route: half the dense excess kept

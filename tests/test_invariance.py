@@ -352,7 +352,7 @@ def planted_at_the_tolerance(seed: int, d: int, n: int, t: float) -> np.ndarray:
 @example(20, 2, 43, 0.7)  # offset before the rule (head.witness_lead) made the verdict one of the head
 @example(27, 2, 5, 0.5)
 @example(73, 5, 46, 0.5)
-@example(3, 3, 10, 1.5)  # a lead of 1.5 tolerances: the LP's face normal in float64 was off by 1e-6 once translated
+@example(3, 3, 10, 1.5)  # a lead of 1.5 tolerances on a translated head: a face normal summed in float64 is 1e-6 off
 @given(st.integers(0, 2**16), st.integers(2, 4), st.integers(6, 40), st.sampled_from([0.3, 0.5, 0.7, 0.9, 1.5, 3.0]))
 def test_a_token_planted_at_the_tolerance_gets_one_verdict_in_every_order_and_offset(seed, d, n, t):
     W = planted_at_the_tolerance(seed, d, n, t)

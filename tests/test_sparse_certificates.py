@@ -112,10 +112,10 @@ def test_batched_reductions_keep_each_combination_on_at_most_D_rows(rng, with_bi
             assert abs(weights @ b[support] - alpha @ b[indices]) < 1e-11
 
 
-def test_the_batched_elimination_takes_the_steps_of_the_single_one(rng):
+@pytest.mark.parametrize("m, D", [(90, 30), (200, 60)])  # one panel of null vectors, and three
+def test_the_batched_elimination_takes_the_steps_of_the_single_one(rng, m, D):
     from auditor.engine.caratheodory import _eliminate_batch, eliminate
 
-    m, D = 90, 30
     points = np.stack([np.hstack([rng.standard_normal((m, D - 1)), np.ones((m, 1))]) for _ in range(5)])
     alpha = rng.random((5, m))
     alpha /= alpha.sum(axis=1, keepdims=True)

@@ -10,7 +10,8 @@ hull of the rows, a convex certificate of p and the weight 1 - 1/mu on w_j
 certify w_k. Rows shrunk towards the origin, and rows near it, have rays that
 pass near it as well.
 
-The origin's certificate is found once per head: maximum-entropy weights on all
+The origin's certificate is found once per audit (every rank or block of ids finds the
+same one): maximum-entropy weights on all
 rows by Newton's method (tilt.maximum_entropy), reduced to at most D rows
 (caratheodory.reduce_support), whose basis on the rows of the reduction's last
 round starts the dual simplex (dual_simplex.Basis) for each token's own point p,
@@ -34,7 +35,7 @@ import torch
 from auditor.engine.caratheodory import eliminate, lifted_dimension, lifted_points, reduce_support
 from auditor.engine.certify import check_convex
 from auditor.engine.dual_simplex import Basis
-from auditor.engine.head import EngineHead
+from auditor.engine.head import EngineHead, robust_row_norms
 from auditor.engine.tilt import maximum_entropy
 
 _REACH = 1e-3  # a ray passing within this many typical spreads of the origin is worth the route
@@ -52,7 +53,8 @@ class _Origin:
         mask = torch.zeros(1, head.n, dtype=torch.float64, device=head.device)
         if head.row_mask is not None:
             mask += head.row_mask[None, :]
-        goal = torch.tensor([1e-3 * head.residual_tol * head.typical_spread], dtype=torch.float64, device=head.device)
+        # as a token's own solve aims (its tolerance, which the tokens' certificates scale by 1/mu)
+        goal = torch.tensor([head.residual_tol * head.typical_spread], dtype=torch.float64, device=head.device)
         pi, least, _ = maximum_entropy(head, self.point[None, :], mask, goal, iterations)
         if not bool(least[0] <= goal[0]):
             return  # the origin is outside the hull, or on its boundary
@@ -79,16 +81,17 @@ def anchored_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 4
     dim = lifted_dimension(head)
     for k, j, mu, p in near:
         rest = origin.basis.certificate(k, np.append(p, 1.0), max_pivots=max(dim // 4, 16))
-        if rest is None or j in rest[0]:
+        if rest is None:
             continue
-        indices = np.append(rest[0], j)
-        weights = np.append(rest[1] / mu, 1.0 - 1.0 / mu)
+        indices, position = np.unique(np.append(rest[0], j), return_inverse=True)  # j may be among the rest's rows
+        weights = np.zeros(indices.size)
+        np.add.at(weights, position, np.append(rest[1] / mu, 1.0 - 1.0 / mu))
         if indices.size > dim:
             weights = eliminate(lifted_points(head, indices), weights)
             indices, weights = indices[weights > 0], weights[weights > 0]
         check = check_convex(head, k, indices, weights)
         if check.accepted:
-            found[k] = (indices, weights / weights.sum(), check.residual, check.bias_gap)
+            found[k] = (indices, weights, check.residual, check.bias_gap)
     return found
 
 
@@ -96,15 +99,17 @@ def _rays(head: EngineHead, ids: np.ndarray) -> list[tuple[int, float, np.ndarra
     """Per token, of the rays from its candidate rivals w_j through w_k: (j, mu, p, ||p - origin||) for the one
     passing closest to the origin beyond w_k (mu > 1); distance inf when none does."""
     k = torch.as_tensor(ids, device=head.device)
+    origin = head.origin if head.origin is not None else torch.zeros(head.d, dtype=torch.float64, device=head.device)
     w_k = head.rows64(k)
-    logits = head.logits(w_k)
+    # (w_i - o) . (w_k - o): the logits at w_k - o less the part common to every row
+    logits = head.logits(w_k - origin) - (origin @ (w_k - origin).T)[:, None]
     if head.row_mask is not None:
         logits += head.row_mask[None, :]
     logits[torch.arange(len(k), device=head.device), k] = -torch.inf
-    count = min(_RAY_RIVALS, head.n - 1)
-    cosine = logits / head.row_norm.clamp(min=torch.finfo(torch.float64).tiny)[None, :]
+    count = min(_RAY_RIVALS, head.n_competitors - 1)
+    lengths = robust_row_norms(head.weight, origin) if head.origin is not None else head.row_norm
+    cosine = logits / lengths.clamp(min=torch.finfo(torch.float64).tiny)[None, :]
     rivals = torch.cat([torch.topk(logits, count, dim=1).indices, torch.topk(cosine, count, dim=1).indices], dim=1)
-    origin = head.origin if head.origin is not None else torch.zeros(head.d, dtype=torch.float64, device=head.device)
     w_j = head.rows64(rivals.reshape(-1)).reshape(*rivals.shape, head.d)
     u = w_k[:, None, :] - w_j
     reach = (u * u).sum(dim=2)

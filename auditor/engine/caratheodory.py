@@ -27,6 +27,7 @@ like any other certificate; the engine keeps the dense one if it fails.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,12 +119,11 @@ def centre_pool(head: EngineHead, spread: Pool) -> tuple[Pool, np.ndarray] | Non
 
 @dataclass
 class Pool:
-    """At most 2D rows around a point that a full reduction passed through (its last merge round),
-    their lifted points, and the last tilt that spread a target over them (a warm start)."""
+    """At most 2D rows around a point that a full reduction passed through (its last merge round), and
+    their lifted points."""
 
     indices: np.ndarray
     points: np.ndarray
-    theta: np.ndarray | None = None
 
 
 def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights: np.ndarray,
@@ -149,10 +149,9 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
     if head.bias is not None:
         target = np.append(target, float(dense @ head.bias) / mass)
     others = pool.indices != k  # the token may sit among the rows another token's certificate used
-    found = _maximum_entropy(pool.points[others, :-1], target, pool.theta)
-    if found is None:
+    spread = _maximum_entropy(pool.points[others, :-1], target)  # from theta = 0: no token depends on another
+    if spread is None:
         return None
-    spread, pool.theta = found
     union, position = np.unique(np.concatenate([indices[top], pool.indices[others]]), return_inverse=True)
     alpha = np.zeros(union.size)
     np.add.at(alpha, position, np.concatenate([weights[top], mass * spread]))
@@ -166,15 +165,13 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
     return union[survive], alpha[survive] / alpha[survive].sum()
 
 
-def _maximum_entropy(points: np.ndarray, target: np.ndarray, start: np.ndarray | None = None,
-                     iterations: int = 60) -> tuple[np.ndarray, np.ndarray] | None:
-    """(pi, theta): weights pi_i proportional to exp(theta . x_i), all positive, with
-    sum pi_i x_i = target, by Newton's method on F(theta) = log sum exp(theta . (x_i - target)) (see
-    tilt.py, which does the same over a whole head), from ``start``. None when it does not converge:
-    the target is not inside the hull."""
+def _maximum_entropy(points: np.ndarray, target: np.ndarray, iterations: int = 60) -> np.ndarray | None:
+    """Weights pi_i proportional to exp(theta . x_i), all positive, with sum pi_i x_i = target, by Newton's
+    method on F(theta) = log sum exp(theta . (x_i - target)) from theta = 0 (see tilt.py, which does the
+    same over a whole head). None when it does not converge: the target is not inside the hull."""
     scale = float(np.abs(points - target).max()) or 1.0
     offsets = (points - target) / scale
-    theta = np.zeros(offsets.shape[1]) if start is None else start.copy()
+    theta = np.zeros(offsets.shape[1])
 
     def value(t):
         logits = offsets @ t
@@ -188,12 +185,14 @@ def _maximum_entropy(points: np.ndarray, target: np.ndarray, start: np.ndarray |
         pi /= pi.sum()
         gradient = pi @ offsets
         if np.abs(gradient).max() <= 1e-15:
-            return pi, theta
+            return pi
         centred = offsets - gradient
         hessian = (centred * pi[:, None]).T @ centred
         try:  # a tiny ridge: rows of a normalised head span only a subspace
-            step = scipy.linalg.solve(hessian + 1e-14 * np.trace(hessian) * np.eye(len(hessian)), gradient,
-                                      assume_a="pos", check_finite=False)
+            with warnings.catch_warnings():  # an ill-conditioned Hessian is handled below, not reported
+                warnings.simplefilter("ignore", scipy.linalg.LinAlgWarning)
+                step = scipy.linalg.solve(hessian + 1e-14 * np.trace(hessian) * np.eye(len(hessian)), gradient,
+                                          assume_a="pos", check_finite=False)
         except (np.linalg.LinAlgError, scipy.linalg.LinAlgError):
             step = None
         if step is None or not np.all(np.isfinite(step)):  # singular: raised, or NaN from the unchecked factorisation
@@ -214,7 +213,7 @@ def _maximum_entropy(points: np.ndarray, target: np.ndarray, start: np.ndarray |
     logits = offsets @ theta
     pi = np.exp(logits - logits.max())
     pi /= pi.sum()
-    return (pi, theta) if np.abs(pi @ offsets).max() <= 1e-12 else None
+    return pi if np.abs(pi @ offsets).max() <= 1e-12 else None
 
 
 def lifted_points(head: EngineHead, indices: np.ndarray) -> np.ndarray:
@@ -311,9 +310,9 @@ def eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
 
 
 _BATCH = 8  # certificates whose elimination steps run as one batch of tensor operations, at most
-_BATCH_BYTES = 1 << 27  # and within this memory: three float64 2D x D arrays a certificate (its points, its
-#                         null vectors, overwritten by their corrections, and the triangle of those), so that
-#                         wide heads batch fewer
+_BATCH_BYTES = 1 << 27  # and within this memory, one certificate at least: about three float64 2D x D arrays
+#                         a certificate (its points, its null vectors overwritten by their corrections, the
+#                         D x D triangle of those), so that wide heads batch fewer
 _BATCH_PANEL = 64  # the batched steps' panel: each step re-reads its panel's earlier vectors
 
 

@@ -19,8 +19,8 @@ the pool (so that the units of w, b and 1 do not matter), and the points are
 projected onto their leading right singular vectors. Rows of a normalised head,
 and a bias that is a linear function of the rows (a LayerNorm's shift), span
 fewer than D dimensions; the basis has as many rows as the span. Nothing here is
-trusted: the weights found are solved again on their rows and go through
-certify.check_convex like every other certificate.
+trusted: the weights found are refined once against their basis and go
+through certify.check_convex like every other certificate.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from auditor.engine.head import EngineHead
 
 _SPAN = 1e-9  # singular values below this fraction of the largest: directions the pool does not span
 _PIVOT = 1e-9  # entries of a pivot row below this fraction of its largest: not pivots (a near-singular basis)
-_REFRESH = 64  # pivots between recomputing the basis inverse and the weights from scratch
+_REFRESH = 64  # pivots between recomputing the basis inverse and the weights from scratch (or r / 8)
 
 
 class Basis:
@@ -43,8 +43,12 @@ class Basis:
     def __init__(self, head: EngineHead, pool: np.ndarray, start: np.ndarray):
         self.head = head
         self.pool = np.asarray(pool, dtype=np.int64)
+        self.start = self.inverse = None
+        if self.pool.size == 0:
+            return
         lifted = lifted_points(head, self.pool)
-        self.scale = np.maximum(np.abs(lifted).max(axis=0), np.finfo(np.float64).tiny)
+        self.scale = np.abs(lifted).max(axis=0)
+        self.scale[self.scale == 0] = 1.0  # a coordinate zero on every pool row
         _, sigma, vt = np.linalg.svd(lifted / self.scale, full_matrices=False)
         self.span = vt[:int((sigma > _SPAN * sigma[0]).sum())].T  # D x r
         self.points = (lifted / self.scale) @ self.span  # m x r
@@ -84,17 +88,19 @@ class Basis:
             row = self.points @ inverse[leave]  # the leaving row of B^-1 A
             allowed = ~basic & ~banned
             threshold = _PIVOT * float(np.abs(row).max())
-            if own.size:  # any pivot that keeps the basis regular
-                candidates = allowed & (np.abs(row) > threshold)
-                if not candidates.any():
-                    return None
-                enter = int(np.argmax(np.where(candidates, np.abs(row), 0.0)))
-            else:  # the dual ratio test: the reduced costs stay non-negative
-                candidates = allowed & (row < -threshold)
-                if not candidates.any():
-                    return None  # no non-negative weights on the pool reach the point: it is outside their hull
-                ratio = np.where(candidates, np.maximum(cost, 0.0) / np.where(candidates, -row, 1.0), np.inf)
-                enter = int(np.argmin(ratio))
+            # The dual ratio test: entering on a negative entry of the row keeps every reduced cost
+            # non-negative and makes a negative weight the new row's positive one. The token's own row leaves
+            # whatever its weight; its reduced cost does not matter (it never enters again), so the entries
+            # of the weight's sign serve, and a positive weight passes to the entering row.
+            sign = 1.0 if own.size and weights[leave] > 0 else -1.0
+            candidates = allowed & (sign * row > threshold)
+            if not candidates.any() and own.size:
+                sign = -sign
+                candidates = allowed & (sign * row > threshold)
+            if not candidates.any():
+                return None  # no non-negative weights on the pool reach the point: it is outside their hull
+            ratio = np.where(candidates, np.maximum(cost, 0.0) / np.where(candidates, sign * row, 1.0), np.inf)
+            enter = int(np.argmin(ratio))
             cost = cost - (cost[enter] / row[enter]) * row  # 0 on the new basis, -theta on the row that leaves
             cost[enter] = 0.0
             column = inverse @ self.points[enter]
@@ -106,7 +112,7 @@ class Basis:
             inverse[others] -= np.outer(column[others], inverse[leave])
             basic[basis[leave]], basic[enter] = False, True
             basis[leave] = enter
-            if (pivot + 1) % _REFRESH == 0:
+            if (pivot + 1) % max(_REFRESH, r // 8) == 0:
                 inverse = np.linalg.inv(self.points[basis].T)
                 weights = inverse @ target
         # one step of iterative refinement with the inverse at hand: the weights as accurate as a fresh solve

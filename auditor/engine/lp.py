@@ -209,6 +209,7 @@ def _try_witness(head: EngineHead, k: int, z: np.ndarray, outcome: LpOutcome) ->
 
 _EXACT_ROWS = 16  # supports up to which the residual is formed exactly
 _EXACT_ENTRIES = 1 << 12  # and their rows' entries
+_EXACT_BELOW = 1e-6  # residuals shorter than this fraction of the rows' entries: their direction is uncertain
 
 
 def _residual(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray, w_k: np.ndarray) -> np.ndarray:
@@ -219,9 +220,12 @@ def _residual(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray
     affinely independent rows it is w_k minus its projection onto their affine hull, solved in rational
     arithmetic (from the rows as given when the normal form rounded them: the translation moves no
     difference of rows), so the one rounding left is the final one."""
+    rows64 = head.rows(indices)
+    approximate = w_k - weights @ rows64
     support = indices[weights > 0]
-    if not 0 < support.size <= min(_EXACT_ROWS, head.d) or support.size * head.d > _EXACT_ENTRIES:
-        return w_k - weights @ head.rows(indices)
+    small = float(np.linalg.norm(approximate)) <= _EXACT_BELOW * float(np.abs(rows64).max(initial=np.abs(w_k).max()))
+    if not small or not 0 < support.size <= min(_EXACT_ROWS, head.d) or support.size * head.d > _EXACT_ENTRIES:
+        return approximate  # a residual this long has a direction float64 gets right, or too many rows
     from fractions import Fraction
 
     rows = head.exact_source[0] if head.exact_source is not None else head.weight
@@ -236,7 +240,7 @@ def _residual(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray
     system.append([Fraction(1)] * m + [Fraction(0), Fraction(1)])
     beta = _solve_exactly(system)
     if beta is None:  # affinely dependent rows
-        return w_k - weights @ head.rows(indices)
+        return approximate
     return np.array([float(-sum(b * row[j] for b, row in zip(beta[:m], offsets))) for j in range(head.d)])
 
 

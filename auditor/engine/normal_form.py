@@ -82,7 +82,7 @@ def _exponent(peak: float) -> int:
 
 def _scaled(t: torch.Tensor, e: int, what: str) -> torch.Tensor:
     """t 2^e, checked exact (no entry under- or overflowed) by scaling back; by blocks of rows, so that the
-    one copy made is the result."""
+    one copy made is the result (a float32 head whose range needs float64 is converted first)."""
     if e == 0:
         return t
     factor_a, factor_b = _halves(e)

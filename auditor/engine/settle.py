@@ -102,7 +102,8 @@ def sparsify(head: EngineHead, out: Decisions) -> None:
     near = [k for k in dense
             if out.stage[k] == STAGES.index("interior") or out.convex[k][1].max() <= _SPREAD_WEIGHT]
     routes = _CentreRoutes(head) if near else None
-    left = [k for k in dense if k not in set(near)]
+    routed = set(near)
+    left = [k for k in dense if k not in routed]
     for k in near:
         reduced = routes.reduce(k, *out.convex[k])
         if reduced is None:
@@ -122,14 +123,17 @@ class _CentreRoutes:
     1. the dual simplex from the basis of the centre on the at most 2D rows the
        centre of the head passes through (dual_simplex.Basis, caratheodory.centre_pool):
        a few pivots for a mean-initialised row;
-    2. the same from 3D rows drawn around the centre (caratheodory.spread_pool),
-       whose hull reaches further, with up to 3D pivots;
+    2. a basis of 3D rows drawn around the centre (caratheodory.spread_pool), as
+       much of the centre's basis as they hold, whose hull reaches further, with
+       up to 3D pivots;
     3. moving the certificate's bulk onto either pool and one or two
        eliminations (caratheodory.from_pool).
 
-    Every pool and basis depends on the head alone and is built at first use, so
-    a token's certificate does not depend on the tokens decided with it (ranks and
-    blocks of ids give the certificates of one whole run).
+    The pools are drawn when the routes are made, the bases built at first use;
+    every pool and basis depends on the head alone, and each token's attempts on
+    its own certificate, so a token's certificate does not depend on the tokens
+    decided with it (ranks and blocks of ids give the certificates of one whole
+    run).
     """
 
     def __init__(self, head: EngineHead):
