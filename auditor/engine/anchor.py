@@ -35,11 +35,10 @@ import torch
 from auditor.engine.caratheodory import eliminate, lifted_dimension, lifted_points, reduce_support
 from auditor.engine.certify import check_convex
 from auditor.engine.dual_simplex import Basis
-from auditor.engine.head import EngineHead, robust_row_norms
-from auditor.engine.tilt import maximum_entropy
+from auditor.engine.head import EngineHead
+from auditor.engine.tilt import maximum_entropy, ray_rivals
 
 _REACH = 1e-3  # a ray passing within this many typical spreads of the origin is worth the route
-_RAY_RIVALS = 16  # candidates for w_j: the strongest rivals at z = w_k and the rows most nearly parallel to it
 _BATCH = 64
 
 
@@ -47,8 +46,7 @@ class _Origin:
     """The origin's basis (None when the origin is not inside the hull of the rows)."""
 
     def __init__(self, head: EngineHead, iterations: int):
-        self.point = head.origin if head.origin is not None else torch.zeros(head.d, dtype=torch.float64,
-                                                                             device=head.device)
+        self.point = _given_origin(head)
         self.basis = None
         mask = torch.zeros(1, head.n, dtype=torch.float64, device=head.device)
         if head.row_mask is not None:
@@ -99,17 +97,9 @@ def _rays(head: EngineHead, ids: np.ndarray) -> list[tuple[int, float, np.ndarra
     """Per token, of the rays from its candidate rivals w_j through w_k: (j, mu, p, ||p - origin||) for the one
     passing closest to the origin beyond w_k (mu > 1); distance inf when none does."""
     k = torch.as_tensor(ids, device=head.device)
-    origin = head.origin if head.origin is not None else torch.zeros(head.d, dtype=torch.float64, device=head.device)
+    origin = _given_origin(head)
     w_k = head.rows64(k)
-    # (w_i - o) . (w_k - o): the logits at w_k - o less the part common to every row
-    logits = head.logits(w_k - origin) - (origin @ (w_k - origin).T)[:, None]
-    if head.row_mask is not None:
-        logits += head.row_mask[None, :]
-    logits[torch.arange(len(k), device=head.device), k] = -torch.inf
-    count = min(_RAY_RIVALS, head.n_competitors - 1)
-    lengths = robust_row_norms(head.weight, origin) if head.origin is not None else head.row_norm
-    cosine = logits / lengths.clamp(min=torch.finfo(torch.float64).tiny)[None, :]
-    rivals = torch.cat([torch.topk(logits, count, dim=1).indices, torch.topk(cosine, count, dim=1).indices], dim=1)
+    rivals = ray_rivals(head, k, w_k, head.origin)
     w_j = head.rows64(rivals.reshape(-1)).reshape(*rivals.shape, head.d)
     u = w_k[:, None, :] - w_j
     reach = (u * u).sum(dim=2)
@@ -121,3 +111,8 @@ def _rays(head: EngineHead, ids: np.ndarray) -> list[tuple[int, float, np.ndarra
     rows = torch.arange(len(k), device=head.device)
     return [(int(j), float(m), q.cpu().numpy(), float(dist)) for j, m, q, dist in
             zip(rivals[rows, best], mu[rows, best], p[rows, best], distance[rows, best])]
+
+
+def _given_origin(head: EngineHead) -> torch.Tensor:
+    """The origin of the coordinates the rows were given in, in the head's own (float64, d)."""
+    return head.origin if head.origin is not None else torch.zeros(head.d, dtype=torch.float64, device=head.device)

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from auditor.engine.certify import check_convex
-from auditor.engine.head import EngineHead
+from auditor.engine.head import EngineHead, robust_row_norms
 
 _BATCH = 16
 _CG_ITERATIONS = 60
@@ -77,19 +77,29 @@ def tilted_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 40,
     return found
 
 
+def ray_rivals(head: EngineHead, k: torch.Tensor, w_k: torch.Tensor, origin: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """Candidates for the rival w_j of a ray from w_j through w_k (B x 2 _RAY_RIVALS row ids): the rows with
+    the largest (w_i - o) . (w_k - o), and those most nearly parallel to w_k - o (a slightly longer copy of
+    a short row need not have one of the largest logits); o the ``origin``, 0 when None."""
+    if origin is None:
+        logits, lengths = head.logits(w_k), head.row_norm
+    else:  # the logits at w_k - o less the part common to every row
+        logits = head.logits(w_k - origin) - (origin @ (w_k - origin).T)[:, None]
+        lengths = robust_row_norms(head.weight, origin)
+    if head.row_mask is not None:
+        logits += head.row_mask[None, :]
+    logits[torch.arange(len(k), device=head.device), k] = -torch.inf
+    count = min(_RAY_RIVALS, head.n - 1)
+    cosine = logits / lengths.clamp(min=torch.finfo(torch.float64).tiny)[None, :]
+    return torch.cat([torch.topk(logits, count, dim=1).indices, torch.topk(cosine, count, dim=1).indices], dim=1)
+
+
 def _ray_points(head: EngineHead, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(j, mu, p): of the rays from the strongest rivals w_j at z = w_k through w_k, the one that passes
     closest to the centre (Mahalanobis), with mu >= 1 and p = w_j + mu (w_k - w_j) its closest point."""
     w_k = head.rows64(k)
-    logits = head.logits(w_k)
-    if head.row_mask is not None:
-        logits += head.row_mask[None, :]
-    logits[torch.arange(len(k), device=head.device), k] = -torch.inf
-    # Candidates for w_j: the rows with the largest logits at w_k, and those most nearly parallel
-    # to it (a slightly longer copy of a short row need not have one of the largest logits).
-    count = min(_RAY_RIVALS, head.n - 1)
-    cosine = logits / head.row_norm.clamp(min=torch.finfo(torch.float64).tiny)[None, :]
-    rivals = torch.cat([torch.topk(logits, count, dim=1).indices, torch.topk(cosine, count, dim=1).indices], dim=1)
+    rivals = ray_rivals(head, k, w_k)
     metric = head.precision
     offset = (w_k - head.centre) @ metric  # B x d
     w_j = head.rows64(rivals.reshape(-1)).reshape(*rivals.shape, head.d)  # B x r x d
