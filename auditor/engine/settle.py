@@ -92,20 +92,22 @@ def sparsify(head: EngineHead, out: Decisions) -> None:
     support by lp.polish when they do not at first); where they still fail, the
     dense certificate stands. Certificates whose bulk lies near the centre of
     the head (those of the interior stage, where mean-initialised rows go, and
-    any whose heaviest row holds at most 10 % of the weight) first try routes
+    without a bias any whose heaviest row holds at most 10 % of the weight) first try routes
     through rows around the centre (_CentreRoutes). The rest, and whatever those
     routes miss, take full reductions together (caratheodory.reduce_supports):
     the elimination steps of up to 8 of them are one batch of tensor operations.
     """
     dim = lifted_dimension(head)
     dense = [k for k, (indices, _, _, _) in out.convex.items() if indices.size > dim]
-    near = [k for k in dense
-            if out.stage[k] == STAGES.index("interior") or out.convex[k][1].max() <= _SPREAD_WEIGHT]
+    # Without a bias a spread-out certificate lies near the centre too; with one, a spread-out certificate is
+    # Newton's lean towards the rows of larger bias, which the rows around the centre do not reach
+    near = [k for k in dense if out.stage[k] == STAGES.index("interior")
+            or (head.bias is None and out.convex[k][1].max() <= _SPREAD_WEIGHT)]
     routes = _CentreRoutes(head) if near else None
     routed = set(near)
     left = [k for k in dense if k not in routed]
     for k in near:
-        reduced = routes.reduce(k, *out.convex[k])
+        reduced = routes.reduce(k, *out.convex[k], interior=out.stage[k] == STAGES.index("interior"))
         if reduced is None:
             left.append(k)
         else:
@@ -126,8 +128,8 @@ class _CentreRoutes:
     2. a basis of 3D rows drawn around the centre (caratheodory.spread_pool), as
        much of the centre's basis as they hold, whose hull reaches further, with
        up to 3D pivots;
-    3. moving the certificate's bulk onto either pool and one or two
-       eliminations (caratheodory.from_pool).
+    3. for certificates of the interior stage, moving the bulk onto either pool
+       and one or two eliminations (caratheodory.from_pool).
 
     The pools are drawn when the routes are made, the bases built at first use;
     every pool and basis depends on the head alone, and each token's attempts on
@@ -150,15 +152,18 @@ class _CentreRoutes:
             self.bases[name] = Basis(self.head, (pool if name == "centre" else self.spread).indices, support)
         return self.bases[name]
 
-    def reduce(self, k: int, indices: np.ndarray, weights: np.ndarray, residual: float, gap: float
-               ) -> tuple[np.ndarray, np.ndarray, float, float] | None:
-        """(indices, weights, residual, bias gap) of an accepted certificate on at most D rows, or None."""
+    def reduce(self, k: int, indices: np.ndarray, weights: np.ndarray, residual: float, gap: float,
+               interior: bool = True) -> tuple[np.ndarray, np.ndarray, float, float] | None:
+        """(indices, weights, residual, bias gap) of an accepted certificate on at most D rows, or None; route 3
+        only for an ``interior`` certificate."""
         target = _lifted_target(self.head, k, gap)
         for name, pivots in (("centre", self.dim), ("spread", 3 * self.dim)) if self.centre is not None else ():
             found = self._basis(name).certificate(k, target, max_pivots=pivots)
             check = check_convex(self.head, k, *found) if found is not None else None
             if check is not None and check.accepted:
                 return (*found, check.residual, check.bias_gap)
+        if not interior:  # moving the bulk suits certificates spread around the centre, not a tilt's
+            return None
         pools = [pool for pool in (self.centre[0] if self.centre is not None else None, self.spread) if pool is not None]
         for pool in pools:
             found = from_pool(self.head, pool, k, indices, weights)
