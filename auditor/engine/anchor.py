@@ -35,7 +35,7 @@ import torch
 from auditor.engine.caratheodory import eliminate, lifted_dimension, lifted_points, reduce_support
 from auditor.engine.certify import check_convex
 from auditor.engine.dual_simplex import Basis
-from auditor.engine.head import EngineHead
+from auditor.engine.head import EngineHead, robust_row_norms
 from auditor.engine.tilt import maximum_entropy, ray_rivals
 
 _REACH = 1e-3  # a ray passing within this many typical spreads of the origin is worth the route
@@ -68,7 +68,9 @@ def anchored_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 4
     found: dict[int, tuple[np.ndarray, np.ndarray, float, float]] = {}
     if len(ids) == 0 or head.bias is not None or head.n_competitors <= head.d or head.typical_spread == 0:
         return found
-    rays = [ray for s in range(0, len(ids), _BATCH) for ray in _rays(head, ids[s:s + _BATCH])]
+    # ||w_i - o|| once for all batches, for a translated head (otherwise the head's row norms serve)
+    origin = (_given_origin(head), robust_row_norms(head.weight, head.origin)) if head.origin is not None else None
+    rays = [ray for s in range(0, len(ids), _BATCH) for ray in _rays(head, ids[s:s + _BATCH], origin)]
     near = [(int(k), j, mu, p) for k, (j, mu, p, distance) in zip(ids.tolist(), rays)
             if distance <= _REACH * head.typical_spread]
     if not near:
@@ -93,13 +95,15 @@ def anchored_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 4
     return found
 
 
-def _rays(head: EngineHead, ids: np.ndarray) -> list[tuple[int, float, np.ndarray, float]]:
+def _rays(head: EngineHead, ids: np.ndarray, given: tuple[torch.Tensor, torch.Tensor] | None
+          ) -> list[tuple[int, float, np.ndarray, float]]:
     """Per token, of the rays from its candidate rivals w_j through w_k: (j, mu, p, ||p - origin||) for the one
-    passing closest to the origin beyond w_k (mu > 1); distance inf when none does."""
+    passing closest to the origin beyond w_k (mu > 1); distance inf when none does. ``given``: see
+    tilt.ray_rivals."""
     k = torch.as_tensor(ids, device=head.device)
     origin = _given_origin(head)
     w_k = head.rows64(k)
-    rivals = ray_rivals(head, k, w_k, head.origin)
+    rivals = ray_rivals(head, k, w_k, given)
     w_j = head.rows64(rivals.reshape(-1)).reshape(*rivals.shape, head.d)
     u = w_k[:, None, :] - w_j
     reach = (u * u).sum(dim=2)

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from auditor.engine.certify import check_convex
-from auditor.engine.head import EngineHead, robust_row_norms
+from auditor.engine.head import EngineHead
 
 _BATCH = 16
 _CG_ITERATIONS = 60
@@ -77,16 +77,17 @@ def tilted_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 40,
     return found
 
 
-def ray_rivals(head: EngineHead, k: torch.Tensor, w_k: torch.Tensor, origin: torch.Tensor | None = None
-               ) -> torch.Tensor:
+def ray_rivals(head: EngineHead, k: torch.Tensor, w_k: torch.Tensor,
+               origin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Candidates for the rival w_j of a ray from w_j through w_k (B x 2 _RAY_RIVALS row ids): the rows with
     the largest (w_i - o) . (w_k - o), and those most nearly parallel to w_k - o (a slightly longer copy of
-    a short row need not have one of the largest logits); o the ``origin``, 0 when None."""
+    a short row need not have one of the largest logits); ``origin`` (o, ||w_i - o|| for every row), o = 0
+    when None."""
     if origin is None:
         logits, lengths = head.logits(w_k), head.row_norm
     else:  # the logits at w_k - o less the part common to every row
-        logits = head.logits(w_k - origin) - (origin @ (w_k - origin).T)[:, None]
-        lengths = robust_row_norms(head.weight, origin)
+        o, lengths = origin
+        logits = head.logits(w_k - o) - (o @ (w_k - o).T)[:, None]
     if head.row_mask is not None:
         logits += head.row_mask[None, :]
     logits[torch.arange(len(k), device=head.device), k] = -torch.inf
