@@ -114,6 +114,80 @@ def test_with_the_allowance_shrunk_the_pass_certifies_tokens_that_cannot_win_the
     assert wrong.sum() >= 1  # certificates of tokens that lose at their witness: the allowance prevents these
 
 
+def biased_close_call_head(rng, radius=2.0, spread=0.05):
+    """close_call_head with a bias in ball:radius: each planted token's partner gets its bias plus a gap, so
+    the leads s_k (mu ||v||^2) + b_k - b_j at z = s_k y_k straddle the allowance through bias and rows alike."""
+    W, planted = close_call_head(rng, spread=spread)
+    n, pairs = W.shape[0], planted.size
+    b = 0.3 * rng.standard_normal(n) + 5.0  # a common offset the pass takes out, and a spread it keeps
+    partners = planted + 2 * pairs
+    b[partners] = b[planted] + 0.05 * rng.standard_normal(pairs)
+    head = build_engine_head(torch.from_numpy(W), torch.from_numpy(b), np.arange(n), parse_domain(f"ball:{radius}"),
+                             1e-10)
+    return W, b, planted, head
+
+
+def exact_biased_leads(W, b, k_ids, centre, scale):
+    """min_{i != k} of the logit gap at z = s_k (w_k - c), in float64."""
+    W64 = W.astype(np.float64)
+    out = []
+    for k, s in zip(k_ids, scale):
+        logits = W64 @ (s * (W64[k] - centre)) + b
+        lead = logits[k]
+        logits[k] = -np.inf
+        out.append(lead - logits.max())
+    return np.array(out)
+
+
+def test_the_bias_column_keeps_every_product_within_its_allowance(rng):
+    W, b, planted, head = biased_close_call_head(rng)
+    shifted = head.bias - 5.0
+    rows = low_precision._centred_rows(head, shifted)
+    width = rows.shape[1]
+    assert width % 16 == 0 and width > W.shape[1] and torch.all(rows[:, W.shape[1] + 1:] == 0)
+    Y = torch.from_numpy(W.astype(np.float64)) - head.witness_centre
+    sigma = torch.tensor([0.37, 1.0, 3.5, 1e-3], dtype=torch.float64).to(torch.bfloat16)
+    left = rows[planted[:4]].clone()
+    left[:, W.shape[1]] = sigma
+    sigma = sigma.double()
+    with low_precision.reduced_precision_off():
+        computed = (left @ rows.T).double()
+    exact = Y[planted[:4]] @ Y.T + sigma[:, None] * shifted[None, :]
+    size = Y[planted[:4]].abs() @ Y.abs().T + sigma[:, None] * shifted.abs()[None, :]
+    excess = (computed - exact).abs() / (low_precision.product_error_factor(width) * size)
+    assert float(excess.max()) <= 1 and float(excess.max()) > 0.02  # within the bound, and the bound not vacuous
+
+
+def test_biased_close_calls_get_no_certificate_the_pass_cannot_prove(rng):
+    W, b, planted, head = biased_close_call_head(rng)
+    ids = np.arange(W.shape[0])
+    certified, margin, scale, _ = low_precision.bfloat16_pass(head, ids)
+    centre = head.witness_centre.numpy()
+    exact = exact_biased_leads(W, b, planted, centre, scale[planted])
+    size = np.linalg.norm(W[planted].astype(np.float64) - centre, axis=1)
+    reach = float(np.linalg.norm(W.astype(np.float64) - centre, axis=1).max())
+    allowance = low_precision.product_error_factor(W.shape[1]) * scale[planted] * reach * size
+    assert np.sum((exact > 0) & (exact < allowance)) >= 10  # planted on both sides of the allowance
+    assert np.sum(exact > 2 * allowance) >= 10 and np.sum(exact < 0) >= 10
+    got = certified[planted]
+    assert np.all(got[exact > 2.5 * allowance])
+    assert not np.all(got[(exact > 0) & (exact < allowance)])
+    assert certified.sum() > W.shape[0] // 2
+    for k in ids[certified]:  # every certificate wins at its witness, by at least the margin stated
+        lead = exact_biased_leads(W, b, [k], centre, [scale[k]])[0]
+        assert np.linalg.norm(scale[k] * (W[k].astype(np.float64) - centre)) <= 2.0
+        assert lead > 0 and margin[k] <= lead, k
+
+
+def test_with_the_biased_allowance_shrunk_the_pass_certifies_tokens_that_cannot_win_there(rng, monkeypatch):
+    W, b, planted, head = biased_close_call_head(rng, spread=0.004)
+    phi = low_precision.product_error_factor
+    monkeypatch.setattr(low_precision, "product_error_factor", lambda d: phi(d) / 256)
+    certified, _, scale, _ = low_precision.bfloat16_pass(head, np.arange(W.shape[0]))
+    exact = exact_biased_leads(W, b, planted, head.witness_centre.numpy(), scale[planted])
+    assert (certified[planted] & (exact < 0)).sum() >= 1  # what the allowance is there to prevent
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_audits_through_the_bfloat16_pass_match_qhull(seed, monkeypatch):
     monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 0)  # the pass on a head small enough for Qhull

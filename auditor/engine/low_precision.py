@@ -25,8 +25,9 @@ at y_k is at least
 
     ||y_k||^2 - max_i computed_i - phi R ||y_k|| - floor,   R = max_i ||y_i||,
 
-scaled by s, with the float32 roundings of scaling and adding the bias allowed
-for; the token is certified argmaxable when that lower bound exceeds what the
+scaled by s. With a bias, the bias rides in the same product as one more column
+(b_i against bf16(1/s) in the token's row), so a biased head costs what an
+unbiased one does; its rounding joins phi's sum. The token is certified argmaxable when that lower bound exceeds what the
 float64 re-check of the witness needs (the float64 rounding of auditor.verify,
 derived rows' error bounds and the lead of EngineHead.witness_lead). Everything
 else goes on to the float32 pass, which decides it as before: the close calls
@@ -145,13 +146,19 @@ def applies(head: EngineHead) -> bool:
     return True
 
 
-def _centred_rows(head: EngineHead) -> torch.Tensor:
+def _centred_rows(head: EngineHead, bias: torch.Tensor | None = None) -> torch.Tensor:
     """bf16(w_i - c) by blocks: for a float32 head the difference is a float32 operation (c is a float32
-    vector), for a float64 one a float64 operation, either way one rounding before bfloat16's."""
-    rows = torch.empty(head.n, head.d, dtype=torch.bfloat16, device=head.device)
+    vector), for a float64 one a float64 operation, either way one rounding before bfloat16's. With
+    ``bias`` one more column holds bf16(bias_i), and zero columns pad the width to a multiple of 16
+    (they add exact zeros to every product)."""
+    width = head.d if bias is None else -(-(head.d + 1) // 16) * 16
+    rows = torch.empty(head.n, width, dtype=torch.bfloat16, device=head.device)
     centre = head.witness_centre.to(head.weight.dtype)
     for s in range(0, head.n, 4096):
-        rows[s:s + 4096] = (head.weight[s:s + 4096] - centre).to(torch.bfloat16)
+        rows[s:s + 4096, :head.d] = (head.weight[s:s + 4096] - centre).to(torch.bfloat16)
+    if bias is not None:
+        rows[:, head.d + 1:] = 0
+        rows[:, head.d] = bias.to(torch.bfloat16)
     return rows
 
 
@@ -160,58 +167,68 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None):
     unbounded and otherwise the largest scale inside the domain: ``margin`` a lower bound on the exact
     margin (the unit-ball margin when unbounded, as the float32 pass reports it).
 
-    With a bias b the logits at z are s y_i . y_k + b_i + s c . y_k; the last term is common to all.
-    The products are scaled and the biases added in float32, each a rounding of u = 2^-24 more on
-    magnitudes at most s (1 + phi) R ||y_k|| and max |b_i|, and the biases' own rounding to float32 is
-    measured once."""
+    With a bias b the logits at z are s y_i . y_k + b_i + s c . y_k; the last term is common to all, and
+    so is any constant taken from every bias: the pass uses b~ = b - b0, b0 the midpoint of the rivals'
+    biases. The bias rides in the product as one more column: [y_k, sigma_k] . [y_i, b~_i] with
+    sigma_k = bf16(1 / s_k), so that s_k times the product is the logit up to (s_k sigma_k - 1) b~_i,
+    and the allowance of the product covers the bias's rounding with the rest."""
     device, n, d = head.device, head.n, head.d
     count = len(ids)
     certified = np.zeros(count, dtype=bool)
     margin = np.full(count, -np.inf)
     scale = np.ones(count)
     runner_up = np.full(count, -1, dtype=np.int64)
-    rows = _centred_rows(head)
+    biased = head.bias is not None
+    if biased:
+        rival_bias = head.bias[head.competitor]
+        shifted = head.bias - 0.5 * (float(rival_bias.max()) + float(rival_bias.min()))
+        spread = float(shifted[head.competitor].abs().max()) * (1 + 2.0**-50)  # >= max |b~_i|, exact or computed
+    else:
+        shifted, spread = None, 0.0
+    rows = _centred_rows(head, shifted)
+    width = rows.shape[1]
     size = robust_row_norms(head.weight, head.witness_centre) * (1 + gamma(d + 2))  # >= ||w_i - c||
     reach = float(size[head.competitor].max())
-    phi = product_error_factor(d)
+    phi = product_error_factor(width)
     others = torch.nonzero(~head.competitor).flatten()  # copies of duplicated rows: never rivals
     chunk = max(1, min(count, 4096, _BLOCK_BUDGET // n))
     gram = torch.empty(chunk, n, dtype=torch.bfloat16, device=device)
-    biased = head.bias is not None
-    if biased:
-        bias32 = head.bias.to(torch.float32)
-        bias_rounding = float((head.bias - bias32.to(torch.float64)).abs().max())
-        scratch = torch.empty(chunk, n, dtype=torch.float32, device=device)
     with reduced_precision_off():
         for start in range(0, count, chunk):
             part = slice(start, min(start + chunk, count))
             k = torch.as_tensor(ids[part], device=device)
             cols = torch.arange(k.numel(), device=device)
             block = gram[:k.numel()]
-            torch.matmul(rows.index_select(0, k), rows.T, out=block)
-            block[cols, k] = -torch.inf  # the token is not its own rival
-            if others.numel():
-                block.index_fill_(1, others, -torch.inf)
+            left = rows.index_select(0, k)
             directions = head.rows64(k) - head.witness_centre
             s_k = (float32_towards_zero(head.domain.largest_scales(directions)) if head.domain.bounded
                    else torch.ones(k.numel(), dtype=torch.float64, device=device))
+            valid = torch.isfinite(s_k) & (s_k > 0)
+            if biased:
+                sigma = torch.where(valid, 1 / s_k, torch.ones_like(s_k)).to(torch.bfloat16)
+                valid &= (sigma.to(torch.float64) >= 2.0**-120) & (sigma.to(torch.float64) <= 2.0**120)
+                left[:, d] = sigma
+                sigma = sigma.to(torch.float64)
+            torch.matmul(left, rows.T, out=block)
+            block[cols, k] = -torch.inf  # the token is not its own rival
+            if others.numel():
+                block.index_fill_(1, others, -torch.inf)
+            top, rival = block.max(dim=1)
+            top = s_k * top.to(torch.float64)
             own = size[k] / (1 + gamma(d + 2))  # the computed norm, within gamma_{d+2} of ||y_k||
             own_low = own * own * (1 - 4 * gamma(d + 4))  # <= ||y_k||^2
-            allowance = phi * reach * size[k] + underflow_allowance(d, reach, size[k])
+            lead = s_k * own_low
             if biased:
-                logits = scratch[:k.numel()]
-                torch.mul(block, s_k.to(torch.float32)[:, None], out=logits)  # exact scales: float32 values
-                logits += bias32[None, :]
-                top, rival = logits.max(dim=1)
-                top = top.to(torch.float64)
-                lead = s_k * own_low + head.bias[k]
-                slack = (s_k * allowance + bias_rounding
-                         + 2.01 * UNIT_ROUNDOFF_32 * (s_k * (1 + phi) * reach * size[k] + head.max_abs_bias))
+                lead = lead + shifted[k]
+                # |g_ik - (y_i . y_k + sigma_k b~_i)| <= phi (|y_i|.|y_k| + sigma_k |b~_i|) + underflow; the
+                # logit gap is s_k (own - g_ik) + b~_k - b~_i ... less (s_k sigma_k - 1) b~_i, and b~'s own
+                # float64 rounding
+                slack = (s_k * (phi * (reach * size[k] + sigma * spread)
+                                + underflow_allowance(width, reach + spread, size[k] + sigma))
+                         + ((s_k * sigma - 1).abs() + 2.0**-50) * spread
+                         + 2.0**-50 * (shifted[k].abs() + spread))
             else:
-                top, rival = block.max(dim=1)
-                top = s_k * top.to(torch.float64)
-                lead = s_k * own_low
-                slack = s_k * allowance
+                slack = s_k * (phi * reach * size[k] + underflow_allowance(d, reach, size[k]))
             # and the rounding of this float64 arithmetic itself (a few operations on these magnitudes)
             lower = lead - top - slack - 8 * 2.0**-53 * (lead.abs() + top.abs() + slack)
             # what the float64 re-check of z = s y_k needs: its rounding bound, the derived rows' error
@@ -220,7 +237,7 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None):
             needed = (head.error_factor * ((head.row_norm[k] + head.max_row_norm) * norm_z + head.max_abs_bias
                                            + (head.bias[k].abs() if biased else 0.0))
                       + head.underflow_floor + derived_error(head, k, norm_z) + head.witness_lead(k, norm_z))
-            won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top)
+            won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top) & valid
             if head.domain.bounded:
                 won &= head.domain.contains_rows(directions * s_k[:, None], safe_norm)
             won_np = won.cpu().numpy()
