@@ -141,8 +141,9 @@ def exact_biased_leads(W, b, k_ids, centre, scale):
 
 def test_the_bias_column_keeps_every_product_within_its_allowance(rng):
     W, b, planted, head = biased_close_call_head(rng)
-    shifted = head.bias - 5.0
-    rows = low_precision._centred_rows(head, shifted)
+    centred = low_precision.centred_rows(head)
+    rows, shifted = centred.values, centred.shifted
+    assert abs(float(shifted.mean())) < 0.2 and centred.spread >= float(shifted.abs().max())  # the offset 5 taken out
     width = rows.shape[1]
     assert width % 16 == 0 and width > W.shape[1] and torch.all(rows[:, W.shape[1] + 1:] == 0)
     Y = torch.from_numpy(W.astype(np.float64)) - head.witness_centre
@@ -186,6 +187,52 @@ def test_with_the_biased_allowance_shrunk_the_pass_certifies_tokens_that_cannot_
     certified, _, scale, _ = low_precision.bfloat16_pass(head, np.arange(W.shape[0]))
     exact = exact_biased_leads(W, b, planted, head.witness_centre.numpy(), scale[planted])
     assert (certified[planted] & (exact < 0)).sum() >= 1  # what the allowance is there to prevent
+
+
+def perturbed_witnesses(rng, W, planted, centre, scale=0.02):
+    """z_k = y_k plus noise of a fiftieth of its length: leads that still straddle the allowance."""
+    Y = W[planted].astype(np.float64) - centre
+    noise = rng.standard_normal(Y.shape) * np.linalg.norm(Y, axis=1, keepdims=True) / np.sqrt(Y.shape[1])
+    return Y + scale * noise
+
+
+def exact_witness_leads(W, k_ids, witnesses):
+    W64 = W.astype(np.float64)
+    out = []
+    for k, z in zip(k_ids, witnesses):
+        logits = W64 @ z
+        lead = logits[k]
+        logits[k] = -np.inf
+        out.append(lead - logits.max())
+    return np.array(out)
+
+
+def test_given_witnesses_are_proved_from_the_bfloat16_product_only_beyond_its_allowance(rng):
+    W, planted = close_call_head(rng)
+    head = build_engine_head(torch.from_numpy(W), None, np.arange(W.shape[0]), parse_domain("unbounded"), 1e-10)
+    centred = low_precision.centred_rows(head)
+    Z = perturbed_witnesses(rng, W, planted, head.witness_centre.numpy())
+    won, margin, runner_up, lead, allowance = low_precision.bfloat16_witnesses(head, planted, torch.from_numpy(Z),
+                                                                               centred)
+    exact = exact_witness_leads(W, planted, Z)
+    assert np.all(np.abs(lead - exact) <= allowance)  # the computed lead is within its allowance of the exact one
+    assert np.sum((exact > 0) & (exact < allowance)) >= 10 and np.sum(exact > 2 * allowance) >= 10
+    assert np.sum(exact < 0) >= 10
+    assert np.all(won[exact > 2.5 * allowance])
+    assert not np.any(won & (lead <= allowance))
+    assert np.all(exact[won] > 0) and np.all(margin[won] <= exact[won])  # every certificate, and its margin
+    for j in np.nonzero(won)[0][:20]:
+        assert witness_wins(W.astype(np.float64), None, planted[j], Z[j])
+
+
+def test_with_the_witnesses_allowance_shrunk_the_product_proves_witnesses_that_lose(rng, monkeypatch):
+    W, planted = close_call_head(rng, spread=0.004)
+    head = build_engine_head(torch.from_numpy(W), None, np.arange(W.shape[0]), parse_domain("unbounded"), 1e-10)
+    Z = perturbed_witnesses(rng, W, planted, head.witness_centre.numpy(), scale=0.002)
+    phi = low_precision.product_error_factor
+    monkeypatch.setattr(low_precision, "product_error_factor", lambda d: phi(d) / 256)
+    won = low_precision.bfloat16_witnesses(head, planted, torch.from_numpy(Z), low_precision.centred_rows(head))[0]
+    assert (won & (exact_witness_leads(W, planted, Z) < 0)).sum() >= 1  # what the allowance prevents
 
 
 @pytest.mark.parametrize("seed", [0, 1])

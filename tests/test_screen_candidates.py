@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import auditor
+from auditor.engine import low_precision
 from auditor.engine import screen as screen_module
 from oracles import ball_margin, qhull_argmaxable, witness_wins
 
@@ -16,12 +17,31 @@ def long_thin_head(rng, n=400, d=5):
     return (rng.standard_normal((n, d)) * spectrum) @ rotation.T + 4.0
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_whitened_candidate_proves_only_argmaxable_tokens_and_matches_qhull(seed, monkeypatch):
+def through_bfloat16(monkeypatch):
+    """The bfloat16 pass on a head small enough for the oracles; returns, per call, the whitened witnesses
+    the bfloat16 product proves."""
+    monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 0)
+    proved = []
+    original = low_precision.bfloat16_witnesses
+
+    def counting(*args):
+        out = original(*args)
+        proved.append(int(out[0].sum()))
+        return out
+
+    monkeypatch.setattr(low_precision, "bfloat16_witnesses", counting)
+    return proved
+
+
+@pytest.mark.parametrize("seed, bfloat16", [(0, False), (1, False), (2, False), (0, True), (1, True), (2, True)])
+def test_the_whitened_candidate_proves_only_argmaxable_tokens_and_matches_qhull(seed, bfloat16, monkeypatch):
     W = long_thin_head(np.random.default_rng(seed))
     without = auditor.audit(W, progress=False)  # this head is below the size the candidate starts at
     monkeypatch.setattr(screen_module, "_WHITENED_ENTRIES", 0)  # on a head small enough for Qhull
+    proved = through_bfloat16(monkeypatch) if bfloat16 else None
     report = auditor.audit(W, progress=False)
+    if bfloat16:  # the candidates went through the bfloat16 product (at d = 5 most are close calls for float64)
+        assert proved
     by_search = {t.id for t in without.tokens if t.verdict == "argmaxable" and t.stage != "screen"}
     now_screened = {t.id for t in report.tokens if t.verdict == "argmaxable" and t.stage == "screen"} & by_search
     assert len(now_screened) >= 3  # the candidate proves tokens the formula witnesses did not
@@ -31,8 +51,10 @@ def test_the_whitened_candidate_proves_only_argmaxable_tokens_and_matches_qhull(
     assert auditor.verify(report, W).ok
 
 
-def test_in_a_ball_the_whitened_witnesses_stay_inside_and_match_the_cone_program(monkeypatch):
+@pytest.mark.parametrize("bfloat16", [False, True])
+def test_in_a_ball_the_whitened_witnesses_stay_inside_and_match_the_cone_program(bfloat16, monkeypatch):
     monkeypatch.setattr(screen_module, "_WHITENED_ENTRIES", 0)
+    proved = through_bfloat16(monkeypatch) if bfloat16 else [1]
     W = long_thin_head(np.random.default_rng(5), n=150)
     report = auditor.audit(W, domain="ball:0.5", progress=False)
     for token in report.tokens:
@@ -41,3 +63,4 @@ def test_in_a_ball_the_whitened_witnesses_stay_inside_and_match_the_cone_program
     for k in range(0, 150, 10):  # the verdict agrees with the program over the ball
         assert (ball_margin(W, None, k, 0.5) > 1e-9) == (report.tokens[k].verdict == "argmaxable"), k
     assert auditor.verify(report, W).ok
+    assert proved

@@ -46,6 +46,7 @@ skipped (logged at debug level).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -146,32 +147,51 @@ def applies(head: EngineHead) -> bool:
     return True
 
 
-def _centred_rows(head: EngineHead, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16(w_i - c) by blocks: for a float32 head the difference is a float32 operation (c is a float32
-    vector), for a float64 one a float64 operation, either way one rounding before bfloat16's. With
-    ``bias`` one more column holds bf16(bias_i), and zero columns pad the width to a multiple of 16
-    (they add exact zeros to every product)."""
-    width = head.d if bias is None else -(-(head.d + 1) // 16) * 16
-    rows = torch.empty(head.n, width, dtype=torch.bfloat16, device=head.device)
+@dataclass
+class CentredRows:
+    """The head's rows less the witness centre, y'_i = bf16(fl(w_i - c)); with a bias one more column
+    holds bf16(b~_i), b~ = b - b0 with b0 the midpoint of the rivals' biases, and zero columns pad the
+    width to a multiple of 16 (they add exact zeros to every product)."""
+
+    values: torch.Tensor  # n x width, bfloat16
+    size: torch.Tensor  # >= ||w_i - c|| per row (float64)
+    reach: float  # R >= every rival's ||w_i - c||
+    shifted: torch.Tensor | None  # b~ (float64), None without a bias
+    spread: float  # >= max |b~_i| over the rivals, 0 without a bias
+
+
+def centred_rows(head: EngineHead) -> CentredRows:
+    """The pass's copy of the head, by blocks: for a float32 head the difference is a float32 operation
+    (c is a float32 vector), for a float64 one a float64 operation, either way one rounding before
+    bfloat16's. It is half a float32 head; the screen keeps it for the whitened witnesses too."""
+    shifted, spread = None, 0.0
+    if head.bias is not None:
+        rival_bias = head.bias[head.competitor]
+        shifted = head.bias - 0.5 * (float(rival_bias.max()) + float(rival_bias.min()))
+        spread = float(shifted[head.competitor].abs().max()) * (1 + 2.0**-50)  # >= max |b~_i|, exact or computed
+    width = head.d if shifted is None else -(-(head.d + 1) // 16) * 16
+    values = torch.empty(head.n, width, dtype=torch.bfloat16, device=head.device)
     centre = head.witness_centre.to(head.weight.dtype)
     for s in range(0, head.n, 4096):
-        rows[s:s + 4096, :head.d] = (head.weight[s:s + 4096] - centre).to(torch.bfloat16)
-    if bias is not None:
-        rows[:, head.d + 1:] = 0
-        rows[:, head.d] = bias.to(torch.bfloat16)
-    return rows
+        values[s:s + 4096, :head.d] = (head.weight[s:s + 4096] - centre).to(torch.bfloat16)
+    if shifted is not None:
+        values[:, head.d + 1:] = 0
+        values[:, head.d] = shifted.to(torch.bfloat16)
+    size = robust_row_norms(head.weight, head.witness_centre) * (1 + gamma(head.d + 2))
+    return CentredRows(values, size, float(size[head.competitor].max()), shifted, spread)
 
 
-def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None):
+def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None, rows: CentredRows | None = None):
     """(certified, margin, scale, runner_up) for tokens ``ids`` at the witnesses z = s (w_k - c), s = 1 when
     unbounded and otherwise the largest scale inside the domain: ``margin`` a lower bound on the exact
-    margin (the unit-ball margin when unbounded, as the float32 pass reports it).
+    margin (the unit-ball margin when unbounded, as the float32 pass reports it). ``rows`` is the
+    head's centred_rows, made here when not given.
 
     With a bias b the logits at z are s y_i . y_k + b_i + s c . y_k; the last term is common to all, and
-    so is any constant taken from every bias: the pass uses b~ = b - b0, b0 the midpoint of the rivals'
-    biases. The bias rides in the product as one more column: [y_k, sigma_k] . [y_i, b~_i] with
-    sigma_k = bf16(1 / s_k), so that s_k times the product is the logit up to (s_k sigma_k - 1) b~_i,
-    and the allowance of the product covers the bias's rounding with the rest."""
+    so is any constant taken from every bias: the pass uses b~ = b - b0. The bias rides in the product
+    as one more column: [y_k, sigma_k] . [y_i, b~_i] with sigma_k = bf16(1 / s_k), so that s_k times the
+    product is the logit up to (s_k sigma_k - 1) b~_i, and the allowance of the product covers the
+    bias's rounding with the rest."""
     device, n, d = head.device, head.n, head.d
     count = len(ids)
     certified = np.zeros(count, dtype=bool)
@@ -179,16 +199,9 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None):
     scale = np.ones(count)
     runner_up = np.full(count, -1, dtype=np.int64)
     biased = head.bias is not None
-    if biased:
-        rival_bias = head.bias[head.competitor]
-        shifted = head.bias - 0.5 * (float(rival_bias.max()) + float(rival_bias.min()))
-        spread = float(shifted[head.competitor].abs().max()) * (1 + 2.0**-50)  # >= max |b~_i|, exact or computed
-    else:
-        shifted, spread = None, 0.0
-    rows = _centred_rows(head, shifted)
-    width = rows.shape[1]
-    size = robust_row_norms(head.weight, head.witness_centre) * (1 + gamma(d + 2))  # >= ||w_i - c||
-    reach = float(size[head.competitor].max())
+    rows = rows if rows is not None else centred_rows(head)
+    shifted, spread, size, reach = rows.shifted, rows.spread, rows.size, rows.reach
+    width = rows.values.shape[1]
     phi = product_error_factor(width)
     others = torch.nonzero(~head.competitor).flatten()  # copies of duplicated rows: never rivals
     chunk = max(1, min(count, 4096, _BLOCK_BUDGET // n))
@@ -199,7 +212,7 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None):
             k = torch.as_tensor(ids[part], device=device)
             cols = torch.arange(k.numel(), device=device)
             block = gram[:k.numel()]
-            left = rows.index_select(0, k)
+            left = rows.values.index_select(0, k)
             directions = head.rows64(k) - head.witness_centre
             s_k = (float32_towards_zero(head.domain.largest_scales(directions)) if head.domain.bounded
                    else torch.ones(k.numel(), dtype=torch.float64, device=device))
@@ -209,7 +222,7 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None):
                 valid &= (sigma.to(torch.float64) >= 2.0**-120) & (sigma.to(torch.float64) <= 2.0**120)
                 left[:, d] = sigma
                 sigma = sigma.to(torch.float64)
-            torch.matmul(left, rows.T, out=block)
+            torch.matmul(left, rows.values.T, out=block)
             block[cols, k] = -torch.inf  # the token is not its own rival
             if others.numel():
                 block.index_fill_(1, others, -torch.inf)
@@ -251,3 +264,50 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None):
     log.debug("bfloat16 screen on %s: %d of %d tokens proved, the float32 pass takes the rest",
               device, int(certified.sum()), count)
     return certified, margin, scale, runner_up
+
+
+def bfloat16_witnesses(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor, rows: CentredRows):
+    """Given witnesses z_k (B x d, float64) of tokens ``ids`` on a head without a bias, from one bfloat16
+    product with the centred rows: (certified, margin, runner_up, lead, allowance) as numpy arrays.
+
+    The logit gap to rival i is z . (y_k - y_i) (the centre's logit is common to all). The own term is
+    a float64 product of fl(w_k - c) and z, within gamma_{d+2} ||z|| ||y_k|| of z . y_k; each rival's
+    comes from the bfloat16 product within phi ||z|| R plus the underflow term, z's own rounding to
+    bfloat16 being one of the entries' roundings. ``lead`` is the computed gap and ``allowance`` the sum
+    of those bounds; a token is certified when lead - allowance exceeds what the float64 re-check of z
+    needs (as in the pass), and z lies in the domain. ``margin`` is then that lower bound of the exact
+    gap; the rest (the close calls among them) are for the float64 check to decide."""
+    device, n, d = head.device, head.n, head.d
+    k = torch.as_tensor(ids, device=device)
+    own = ((head.rows64(k) - head.witness_centre) * witnesses).sum(dim=1)
+    norm_z = safe_norm(witnesses, dim=1) * (1 + 2.0**-20)
+    top = torch.empty(len(ids), dtype=torch.float64, device=device)
+    rival = torch.empty(len(ids), dtype=torch.int64, device=device)
+    others = torch.nonzero(~head.competitor).flatten()
+    chunk = max(1, min(len(ids), 4096, _BLOCK_BUDGET // n))
+    gram = torch.empty(chunk, n, dtype=torch.bfloat16, device=device)
+    with reduced_precision_off():
+        for start in range(0, len(ids), chunk):
+            part = slice(start, min(start + chunk, len(ids)))
+            block = gram[:part.stop - part.start]
+            torch.matmul(witnesses[part].to(torch.bfloat16), rows.values.T, out=block)
+            block[torch.arange(block.shape[0], device=device), k[part]] = -torch.inf  # not its own rival
+            if others.numel():
+                block.index_fill_(1, others, -torch.inf)
+            best, rival[part] = block.max(dim=1)
+            top[part] = best.to(torch.float64)
+    lead = own - top
+    allowance = (product_error_factor(d) * rows.reach * norm_z + underflow_allowance(d, rows.reach, norm_z)
+                 + gamma(d + 2) * norm_z * rows.size[k])
+    # and the rounding of this float64 arithmetic itself
+    lower = lead - allowance - 8 * 2.0**-53 * (own.abs() + top.abs() + allowance)
+    needed = (head.error_factor * (head.row_norm[k] + head.max_row_norm) * norm_z + head.underflow_floor
+              + derived_error(head, k, norm_z) + head.witness_lead(k, norm_z))
+    won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top)
+    if head.domain.bounded:
+        won &= head.domain.contains_rows(witnesses, safe_norm)
+    won_np = won.cpu().numpy()
+    log.debug("bfloat16 witnesses on %s: %d of %d proved, the float64 check takes the close calls",
+              device, int(won_np.sum()), len(ids))
+    return (won_np, np.where(won_np, lower.cpu().numpy(), -np.inf), rival.cpu().numpy(),
+            lead.cpu().numpy(), allowance.cpu().numpy())

@@ -171,7 +171,7 @@ def _screen(head: EngineHead, out: Decisions, todo: np.ndarray, progress: bool) 
     out.witness_shift[todo[won]] = screened.shift[won]
     out.witness_scale[todo[won]] = screened.scale[won]
     left, threat = todo[~won], screened.threat[~won]
-    tried, witnesses, check = whitened_witnesses(head, left)
+    tried, witnesses, check = whitened_witnesses(head, left, screened.centred)
     if check is not None:
         sizes = safe_norm(witnesses, dim=1).cpu().numpy()
         for j, row in enumerate(tried.tolist()):

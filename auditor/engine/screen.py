@@ -58,6 +58,7 @@ class ScreenResult:
     threat: np.ndarray  # the strongest rival at z = w_k (starts Frank-Wolfe)
     close_shift: np.ndarray  # for uncertified tokens: the candidate that won by less than its
     close_scale: np.ndarray  # rounding bound (nan where none won at all), re-checked in float64
+    centred: low_precision.CentredRows | None = None  # the bfloat16 pass's rows, for the whitened witnesses
 
 
 def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
@@ -65,11 +66,12 @@ def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
     count = len(ids)
     if not (count and low_precision.applies(head)):
         return _screen(head, ids, progress)
-    won, margin, scale, runner_up = low_precision.bfloat16_pass(head, ids, progress)
+    centred = low_precision.centred_rows(head)
+    won, margin, scale, runner_up = low_precision.bfloat16_pass(head, ids, progress, centred)
     result = _screen(head, ids[~won], progress)
     merged = ScreenResult(certified=won.copy(), margin=margin, shift=np.where(won, 1.0, 0.0), scale=scale,
                           runner_up=runner_up, threat=np.full(count, -1, dtype=np.int64),
-                          close_shift=np.full(count, np.nan), close_scale=np.full(count, np.nan))
+                          close_shift=np.full(count, np.nan), close_scale=np.full(count, np.nan), centred=centred)
     for name in ("certified", "margin", "shift", "scale", "runner_up", "threat", "close_shift", "close_scale"):
         getattr(merged, name)[~won] = getattr(result, name)
     return merged
@@ -284,12 +286,15 @@ def _screen_chunk(head: EngineHead, arithmetic: _Arithmetic, ids: np.ndarray, re
         getattr(result, name)[part] = values.cpu().numpy()
 
 
-def whitened_witnesses(head: EngineHead, ids: np.ndarray) -> tuple[np.ndarray, torch.Tensor, WitnessCheck | None]:
+def whitened_witnesses(head: EngineHead, ids: np.ndarray, centred: low_precision.CentredRows | None = None
+                       ) -> tuple[np.ndarray, torch.Tensor, WitnessCheck | None]:
     """A third candidate for the tokens the formula witnesses left, on large heads without a bias:
     z = s C^+ (w_k - m), the self-direction in the metric that makes the head round (C the covariance
     of the rows, m their mean). Where the rows are long and thin, that is where a row on the rim of the
     cloud leads, and one product for these few tokens costs less than Frank-Wolfe's passes over a large
-    head. Candidates that lead in a float32 product are checked in float64 like any witness.
+    head. With the bfloat16 pass's rows (``centred``) one bfloat16 product proves the candidates that
+    lead beyond its allowance, and the float64 check takes those within it; otherwise candidates that
+    lead in a float32 product are checked in float64 like any witness.
     Returns (the positions in ``ids`` that were checked, their witnesses, the check), the check None
     when nothing was tried."""
     none = np.zeros(0, dtype=np.int64)
@@ -299,6 +304,8 @@ def whitened_witnesses(head: EngineHead, ids: np.ndarray) -> tuple[np.ndarray, t
     directions = (head.rows64(k) - head.centre) @ head.precision
     if head.domain.bounded:
         directions = directions * head.domain.largest_scales(directions)[:, None]
+    if centred is not None and centred.values.shape[1] == head.d:
+        return _whitened_in_bfloat16(head, ids, directions, centred)
     promising = []
     step = max(1, (1 << 23) // head.n)
     rows = torch.arange(len(ids), device=head.device)
@@ -315,3 +322,18 @@ def whitened_witnesses(head: EngineHead, ids: np.ndarray) -> tuple[np.ndarray, t
         return none, directions[:0], None
     witnesses = directions[torch.as_tensor(chosen, device=head.device)]
     return chosen, witnesses, check_witnesses_sharpened(head, ids[chosen], witnesses)
+
+
+def _whitened_in_bfloat16(head: EngineHead, ids: np.ndarray, directions: torch.Tensor,
+                          centred: low_precision.CentredRows) -> tuple[np.ndarray, torch.Tensor, WitnessCheck | None]:
+    won, margin, runner_up, lead, allowance = low_precision.bfloat16_witnesses(head, ids, directions, centred)
+    close = np.nonzero(~won & (lead > -allowance))[0]  # within the allowance either way: float64 decides
+    chosen = np.sort(np.concatenate([np.nonzero(won)[0], close]))
+    if not chosen.size:
+        return chosen, directions[:0], None
+    check = WitnessCheck(margin=margin[chosen], certified=won[chosen].copy(), runner_up=runner_up[chosen])
+    if close.size:
+        again = check_witnesses_sharpened(head, ids[close], directions[torch.as_tensor(close, device=head.device)])
+        at = np.searchsorted(chosen, close)
+        check.margin[at], check.certified[at], check.runner_up[at] = again.margin, again.certified, again.runner_up
+    return chosen, directions[torch.as_tensor(chosen, device=head.device)], check
