@@ -189,6 +189,44 @@ def test_with_the_biased_allowance_shrunk_the_pass_certifies_tokens_that_cannot_
     assert (certified[planted] & (exact < 0)).sum() >= 1  # what the allowance is there to prevent
 
 
+def bias_decided_head(rng, d=16, base=300, pairs=80):
+    """Planted tokens whose rival is a partner row (1 - 1e-3) times as long with a bias lower by delta: at
+    z = s y_k in ball:2 the lead is delta plus a row term of about 1e-3 s ||y_k||^2, and the biases sit near
+    +-400, where bfloat16 keeps them to about 0.8: the bias terms of the allowance are what stands between
+    the computed leads and the planted ones."""
+    half = rng.standard_normal((base // 2, d))
+    directions = rng.standard_normal((pairs, d))
+    rows = np.vstack([half, -half, directions, (1 - 1e-3) * directions]).astype(np.float32)
+    n = rows.shape[0]
+    b = 0.3 * rng.standard_normal(n)
+    planted = base + np.arange(pairs)
+    b[planted] = 400.0 + rng.uniform(-1, 1, pairs)
+    delta = np.concatenate([rng.uniform(-1.5, 1.5, pairs - 20), rng.uniform(5, 10, 20)])
+    b[planted + pairs] = b[planted] - delta
+    b[0] = -400.0  # the rivals' biases span [-400, 401]: B about 400 after the midpoint is taken out
+    head = build_engine_head(torch.from_numpy(rows), torch.from_numpy(b), np.arange(n), parse_domain("ball:2"), 1e-10)
+    return rows, b, planted, head
+
+
+@pytest.mark.parametrize("drop_bias_terms", [False, True])
+def test_where_the_bias_decides_only_its_allowance_stands_between_rounding_and_a_wrong_certificate(
+        drop_bias_terms, rng, monkeypatch):
+    if drop_bias_terms:
+        monkeypatch.setattr(low_precision, "bias_allowance", lambda phi, s_k, *rest: torch.zeros_like(s_k))
+    W, b, planted, head = bias_decided_head(rng)
+    assert np.all(head.row_norm.numpy() < 2**7)  # the row products are exact: only the biases round
+    certified, margin, scale, _ = low_precision.bfloat16_pass(head, np.arange(W.shape[0]))
+    exact = exact_biased_leads(W, b, planted, head.witness_centre.numpy(), scale[planted])
+    got = certified[planted]
+    wrong = got & (exact <= 0)
+    if drop_bias_terms:
+        assert wrong.sum() >= 1  # bfloat16's rounding of the biases flips the sign of some planted leads
+    else:
+        assert not wrong.any() and np.all(margin[planted][got] <= exact[got])
+        assert np.all(got[exact > 5])  # the leads of 5 to 10 clear the bias terms (about 3.2)
+        assert not got[np.abs(exact) < 1.5].any()
+
+
 def perturbed_witnesses(rng, W, planted, centre, scale=0.02):
     """z_k = y_k plus noise of a fiftieth of its length: leads that still straddle the allowance."""
     Y = W[planted].astype(np.float64) - centre

@@ -41,7 +41,7 @@ def test_the_whitened_candidate_proves_only_argmaxable_tokens_and_matches_qhull(
     proved = through_bfloat16(monkeypatch) if bfloat16 else None
     report = auditor.audit(W, progress=False)
     if bfloat16:  # the candidates went through the bfloat16 product (at d = 5 most are close calls for float64)
-        assert proved
+        assert len(proved) == 1
     by_search = {t.id for t in without.tokens if t.verdict == "argmaxable" and t.stage != "screen"}
     now_screened = {t.id for t in report.tokens if t.verdict == "argmaxable" and t.stage == "screen"} & by_search
     assert len(now_screened) >= 3  # the candidate proves tokens the formula witnesses did not
@@ -63,4 +63,37 @@ def test_in_a_ball_the_whitened_witnesses_stay_inside_and_match_the_cone_program
     for k in range(0, 150, 10):  # the verdict agrees with the program over the ball
         assert (ball_margin(W, None, k, 0.5) > 1e-9) == (report.tokens[k].verdict == "argmaxable"), k
     assert auditor.verify(report, W).ok
-    assert proved
+    assert len(proved) == 1
+
+
+def test_the_bfloat16_whitened_route_proves_what_it_can_and_hands_the_close_calls_to_float64():
+    import torch
+
+    from auditor.domain import parse_domain
+    from auditor.engine.certify import check_witnesses_sharpened
+    from auditor.engine.head import build_engine_head
+
+    rng = np.random.default_rng(11)
+    cloud = rng.standard_normal((2000, 48)) * np.linspace(2, 0.5, 48)
+    outer = 1.3 * cloud[:300]  # each with a partner (1 - mu) as long: the leads mu z . v are close calls
+    partners = (1 - rng.uniform(-0.01, 0.01, (300, 1))) * outer
+    W = np.vstack([cloud, outer, partners]).astype(np.float32)
+    n = W.shape[0]
+    head = build_engine_head(torch.from_numpy(W), None, np.arange(n), parse_domain("unbounded"), 1e-10)
+    centred = low_precision.centred_rows(head)
+    ids = np.arange(n)
+    directions = (head.rows64(torch.as_tensor(ids)) - head.centre) @ head.precision
+    won, _, _, lead, allowance = low_precision.bfloat16_witnesses(head, ids, directions, centred)
+    close = ~won & (lead > -allowance)
+    assert won.sum() >= 10 and close.sum() >= 10  # both routes taken, interleaved among the ids
+    chosen, witnesses, check = screen_module._whitened_in_bfloat16(head, ids, directions, centred)
+    assert np.array_equal(chosen, np.nonzero(won | close)[0])
+    assert torch.equal(witnesses, directions[torch.as_tensor(chosen)])
+    float64 = check_witnesses_sharpened(head, ids[chosen], witnesses)  # the float64 check of every chosen one
+    by_bfloat16 = won[chosen]
+    assert np.all(float64.certified[by_bfloat16])  # what bfloat16 proved holds in float64, with a smaller margin
+    assert np.all(check.margin[by_bfloat16] <= float64.margin[by_bfloat16])
+    assert np.array_equal(check.certified[~by_bfloat16], float64.certified[~by_bfloat16])  # the rest: float64's
+    assert np.array_equal(check.margin[~by_bfloat16], float64.margin[~by_bfloat16])
+    for j in np.nonzero(check.certified)[0][::25]:
+        assert witness_wins(W.astype(np.float64), None, int(chosen[j]), witnesses[j].numpy())

@@ -181,6 +181,14 @@ def centred_rows(head: EngineHead) -> CentredRows:
     return CentredRows(values, size, float(size[head.competitor].max()), shifted, spread)
 
 
+def bias_allowance(phi: float, s_k: torch.Tensor, sigma: torch.Tensor, spread: float,
+                   own: torch.Tensor) -> torch.Tensor:
+    """What the bias column adds to the pass's allowance: its share of the product's error,
+    s phi sigma |b~_i| <= s phi sigma B; the scale's mismatch, |s sigma - 1| B (s sigma is exact in
+    float64: a float32 value times a bfloat16 one); and the float64 rounding of b~ (own the token's)."""
+    return s_k * phi * sigma * spread + ((s_k * sigma - 1).abs() + 2.0**-50) * spread + 2.0**-50 * (own.abs() + spread)
+
+
 def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None, rows: CentredRows | None = None):
     """(certified, margin, scale, runner_up) for tokens ``ids`` at the witnesses z = s (w_k - c), s = 1 when
     unbounded and otherwise the largest scale inside the domain: ``margin`` a lower bound on the exact
@@ -236,10 +244,8 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None, rows: Centre
                 # |g_ik - (y_i . y_k + sigma_k b~_i)| <= phi (|y_i|.|y_k| + sigma_k |b~_i|) + underflow; the
                 # logit gap is s_k (own - g_ik) + b~_k - b~_i ... less (s_k sigma_k - 1) b~_i, and b~'s own
                 # float64 rounding
-                slack = (s_k * (phi * (reach * size[k] + sigma * spread)
-                                + underflow_allowance(width, reach + spread, size[k] + sigma))
-                         + ((s_k * sigma - 1).abs() + 2.0**-50) * spread
-                         + 2.0**-50 * (shifted[k].abs() + spread))
+                slack = (s_k * (phi * reach * size[k] + underflow_allowance(width, reach + spread, size[k] + sigma))
+                         + bias_allowance(phi, s_k, sigma, spread, shifted[k]))
             else:
                 slack = s_k * (phi * reach * size[k] + underflow_allowance(d, reach, size[k]))
             # and the rounding of this float64 arithmetic itself (a few operations on these magnitudes)

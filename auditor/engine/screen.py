@@ -71,7 +71,8 @@ def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
     result = _screen(head, ids[~won], progress)
     merged = ScreenResult(certified=won.copy(), margin=margin, shift=np.where(won, 1.0, 0.0), scale=scale,
                           runner_up=runner_up, threat=np.full(count, -1, dtype=np.int64),
-                          close_shift=np.full(count, np.nan), close_scale=np.full(count, np.nan), centred=centred)
+                          close_shift=np.full(count, np.nan), close_scale=np.full(count, np.nan),
+                          centred=centred if _tries_whitened(head) else None)  # else freed here
     for name in ("certified", "margin", "shift", "scale", "runner_up", "threat", "close_shift", "close_scale"):
         getattr(merged, name)[~won] = getattr(result, name)
     return merged
@@ -286,6 +287,10 @@ def _screen_chunk(head: EngineHead, arithmetic: _Arithmetic, ids: np.ndarray, re
         getattr(result, name)[part] = values.cpu().numpy()
 
 
+def _tries_whitened(head: EngineHead) -> bool:
+    return head.bias is None and head.n * head.d >= _WHITENED_ENTRIES
+
+
 def whitened_witnesses(head: EngineHead, ids: np.ndarray, centred: low_precision.CentredRows | None = None
                        ) -> tuple[np.ndarray, torch.Tensor, WitnessCheck | None]:
     """A third candidate for the tokens the formula witnesses left, on large heads without a bias:
@@ -298,7 +303,7 @@ def whitened_witnesses(head: EngineHead, ids: np.ndarray, centred: low_precision
     Returns (the positions in ``ids`` that were checked, their witnesses, the check), the check None
     when nothing was tried."""
     none = np.zeros(0, dtype=np.int64)
-    if head.bias is not None or not len(ids) or head.n * head.d < _WHITENED_ENTRIES:
+    if not (len(ids) and _tries_whitened(head)):
         return none, torch.zeros(0, head.d, dtype=torch.float64, device=head.device), None
     k = torch.as_tensor(ids, device=head.device)
     directions = (head.rows64(k) - head.centre) @ head.precision
