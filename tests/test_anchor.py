@@ -101,6 +101,28 @@ def test_audits_of_swallowed_rows_match_the_lp(rng, offset):
     assert auditor.verify(report, W.astype(np.float32)).ok
 
 
+def test_swallowed_rows_are_settled_before_frank_wolfe_and_the_rest_still_reach_it(rng, monkeypatch):
+    from auditor.engine import pipeline
+
+    seen = []
+    original = pipeline.frank_wolfe
+    monkeypatch.setattr(pipeline, "frank_wolfe", lambda head, ids, *rest: seen.extend(ids.tolist())
+                        or original(head, ids, *rest))
+    W = trained_like(rng, 2500, 10, 0.0)
+    planted = swallowed(W, rng, 4)
+    W[7] = 0.98 * W[8] + 0.02 * W[9]  # inside the hull near its boundary, on no ray through the origin
+    # With this row the origin's Newton solve reaches a point where F is flat to float64 three times short
+    # of its goal: steps are then judged by the residual they leave.
+    from auditor.engine.anchor import _Origin
+    assert _Origin(engine_head(W.astype(np.float32)), 40).basis is not None
+    report = auditor.audit(W.astype(np.float32), progress=False)
+    assert all(report.tokens[k].verdict == "unargmaxable" and report.tokens[k].stage == "newton"
+               for k in planted.tolist())
+    assert not set(seen) & set(planted.tolist())  # Frank-Wolfe never ran on them
+    assert 7 in seen and report.tokens[7].verdict == "unargmaxable"  # the others still take Frank-Wolfe
+    assert auditor.verify(report, W.astype(np.float32)).ok
+
+
 def test_a_translated_head_takes_the_route_through_the_origin_it_was_given_in(rng, monkeypatch):
     # A tight cloud far from the origin (the normal form translates it) and a few rows around the origin
     # keep the origin inside the hull; rows swallowed towards the given origin are settled by the route

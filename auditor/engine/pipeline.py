@@ -10,9 +10,10 @@
              the norm domain included, and boxes with the l1 norm, with a bias; the
              unbounded domain with a bias on a ladder of large balls)
 5. newton    maximum-entropy convex combinations by Newton's method (with a bias, leaning
-             towards the rows of larger bias); first, without a bias, rows whose ray from a
-             rival passes through the origin (a row swallowed by a longer copy of itself)
-             take one sparse certificate of the origin, found once (anchor.py)
+             towards the rows of larger bias); its first part runs before Frank-Wolfe: without
+             a bias, rows whose ray from a rival passes through the origin (a row swallowed by
+             a longer copy of itself) take one sparse certificate of the origin, found once
+             (anchor.py)
 6. lp        constraint generation with cvxpy for whatever is left, under one budget
              of rounds that the tokens still converging share
 7. whatever no stage proved is ``inconclusive``, with the bounds found
@@ -119,6 +120,13 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     left, threat = _interior(head, out, left, threat)
     timings["interior"] = time.perf_counter() - clock
 
+    # The origin's route (part of the Newton stage) before Frank-Wolfe: the rows it settles lie just
+    # inside the hull, where Frank-Wolfe only converges towards them and hands them on undecided.
+    clock = time.perf_counter()
+    if len(left) and options.newton_iterations > 0:
+        left, threat = _anchored(head, out, left, threat, options)
+    anchored = time.perf_counter() - clock
+
     clock = time.perf_counter()
     leftovers = _Leftovers({int(k): [np.array([t])] for k, t in zip(left, threat)}, {}, {})
     if len(left) and options.frank_wolfe_iterations > 0:
@@ -128,7 +136,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     clock = time.perf_counter()
     if len(left) and options.newton_iterations > 0:
         left = _newton(head, out, left, options, progress)
-    timings["newton"] = time.perf_counter() - clock
+    timings["newton"] = anchored + time.perf_counter() - clock
 
     clock = time.perf_counter()
     if options.defer_flat and head.domain.bounded:
@@ -234,10 +242,15 @@ def _homogenising_radii(head: EngineHead) -> list[float]:
     return [4 * base, 256 * base, 16384 * base]
 
 
-def _newton(head: EngineHead, out: Decisions, left: np.ndarray, options: EngineOptions, progress: bool) -> np.ndarray:
+def _anchored(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray, options: EngineOptions
+              ) -> tuple[np.ndarray, np.ndarray]:
     for k, (indices, weights, residual, gap) in anchored_certificates(head, left, options.newton_iterations).items():
         set_convex(out, k, indices, weights, residual, gap, "newton")
-    left = left[out.verdict[left] == UNDECIDED]
+    keep = out.verdict[left] == UNDECIDED
+    return left[keep], threat[keep]
+
+
+def _newton(head: EngineHead, out: Decisions, left: np.ndarray, options: EngineOptions, progress: bool) -> np.ndarray:
     with _bar(len(left), "newton", progress) as bar:
         settled = tilted_certificates(head, left, options.newton_iterations, progress=bar)
     for k, (indices, weights, residual, gap) in settled.items():

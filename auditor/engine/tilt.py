@@ -50,6 +50,7 @@ _BATCH = 16
 _CG_ITERATIONS = 60
 _PATIENCE = 6
 _ARMIJO = 1e-4
+_FLAT = 2.0**-46  # a change of F this small relative to F is within its float64 rounding
 _RAY_RIVALS = 16
 _LEANS = (1.0, 8.0, 64.0)  # the bias's tilt, in units of its spread: tried in turn while the gap is positive
 _STEP_LIMIT = 30.0  # largest spread (standard deviation over the rows) a step may add to the logits
@@ -208,7 +209,7 @@ def maximum_entropy(head: EngineHead, p: torch.Tensor, mask: torch.Tensor, goal:
         done = ((residual <= 1e-3 * goal[live]) | ((residual <= 0.05 * goal[live]) & ~improved)
                 | (since[live] > _PATIENCE))
         running[live[done]] = False
-        live, mean, gradient = live[~done], mean[~done], gradient[~done]
+        live, mean, gradient, residual = live[~done], mean[~done], gradient[~done], residual[~done]
         if live.numel() == 0:
             break
         step = _newton_steps(head, pi[live], mean, gradient)
@@ -228,6 +229,14 @@ def maximum_entropy(head: EngineHead, p: torch.Tensor, mask: torch.Tensor, goal:
             trial = theta[b] + eta[where, None] * step[where]
             new_value, new_logits = _objective(head, trial, p[b], mask[b])
             accept = torch.isfinite(new_value) & (new_value <= value[b] + _ARMIJO * eta[where] * slope[where])
+            # Near the solution F changes by about the residual squared, below float64's resolution of F
+            # itself: a step the value test cannot judge is taken when it cuts the residual, which is
+            # what the loop is after (the test alone can stop a solve a few times short of its goal).
+            flat = (torch.isfinite(new_value) & ~accept
+                    & ((new_value - value[b]).abs() <= _FLAT * value[b].abs().clamp(min=1.0)))
+            if bool(flat.any()):
+                moved = head.combine(torch.softmax(new_logits[flat], dim=1)) - p[b[flat]]
+                accept[flat] = torch.linalg.vector_norm(moved, dim=1) < 0.5 * residual[where[flat]]
             ok = where[accept]
             theta[live[ok]] = trial[accept]
             value[live[ok]] = new_value[accept]
