@@ -232,8 +232,10 @@ def maximum_entropy(head: EngineHead, p: torch.Tensor, mask: torch.Tensor, goal:
             # Near the solution F changes by about the residual squared, below float64's resolution of F
             # itself: a step the value test cannot judge is taken when it cuts the residual, which is
             # what the loop is after (the test alone can stop a solve a few times short of its goal).
-            flat = (torch.isfinite(new_value) & ~accept
-                    & ((new_value - value[b]).abs() <= _FLAT * value[b].abs().clamp(min=1.0)))
+            # (F = lse - theta . p rounds relative to its larger term, not to F itself)
+            theta_p = (trial * p[b]).sum(dim=1)
+            size = torch.maximum((new_value + theta_p).abs(), theta_p.abs()).clamp(min=1.0)
+            flat = torch.isfinite(new_value) & ~accept & ((new_value - value[b]).abs() <= _FLAT * size)
             if bool(flat.any()):
                 moved = head.combine(torch.softmax(new_logits[flat], dim=1)) - p[b[flat]]
                 accept[flat] = torch.linalg.vector_norm(moved, dim=1) < 0.5 * residual[where[flat]]
