@@ -27,9 +27,10 @@ at y_k is at least
 
 scaled by s. With a bias, the bias rides in the same product as one more column
 (b_i against bf16(1/s) in the token's row), so a biased head costs what an
-unbiased one does; its rounding joins phi's sum. The token is certified argmaxable when that lower bound exceeds what the
-float64 re-check of the witness needs (the float64 rounding of auditor.verify,
-derived rows' error bounds and the lead of EngineHead.witness_lead). Everything
+unbiased one does; its rounding joins phi's sum. The token is certified
+argmaxable when that lower bound exceeds what the float64 re-check of the
+witness needs (the float64 rounding of auditor.verify, derived rows' error
+bounds and the lead of EngineHead.witness_lead). Everything
 else goes on to the float32 pass, which decides it as before: the close calls
 lose nothing, and the pass that proves 97-99.9 % of a real vocabulary costs a
 fifth of a float32 one.
