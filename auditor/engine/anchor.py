@@ -69,8 +69,8 @@ def anchored_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 4
     if len(ids) == 0 or head.bias is not None or head.n_competitors <= head.d or head.typical_spread == 0:
         return found
     # ||w_i - o|| once for all batches, for a translated head (otherwise the head's row norms serve)
-    origin = (_given_origin(head), robust_row_norms(head.weight, head.origin)) if head.origin is not None else None
-    rays = [ray for s in range(0, len(ids), _BATCH) for ray in _rays(head, ids[s:s + _BATCH], origin)]
+    given = (_given_origin(head), robust_row_norms(head.weight, head.origin)) if head.origin is not None else None
+    rays = [ray for s in range(0, len(ids), _BATCH) for ray in _rays(head, ids[s:s + _BATCH], given)]
     near = [(int(k), j, mu, p) for k, (j, mu, p, distance) in zip(ids.tolist(), rays)
             if distance <= _REACH * head.typical_spread]
     if not near:

@@ -182,6 +182,26 @@ def centred_rows(head: EngineHead) -> CentredRows:
     return CentredRows(values, size, float(size[head.competitor].max()), shifted, spread)
 
 
+def _strongest_rivals(left: torch.Tensor, rows: CentredRows, k: torch.Tensor, others: torch.Tensor,
+                      block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest product of each left row with a rival's centred row, and that rival: the products go
+    into ``block`` (bfloat16, one row per token), with the token's own column and the copies of duplicated
+    rows (``others``) masked out."""
+    torch.matmul(left, rows.values.T, out=block)
+    block[torch.arange(block.shape[0], device=block.device), k] = -torch.inf  # the token is not its own rival
+    if others.numel():
+        block.index_fill_(1, others, -torch.inf)
+    return block.max(dim=1)
+
+
+def _recheck_needs(head: EngineHead, k: torch.Tensor, norm_z: torch.Tensor) -> torch.Tensor:
+    """What the float64 re-check of a witness of norm at most ``norm_z`` for tokens k needs it to lead by:
+    its rounding bound, the derived rows' error bounds (the norm domain's) and the verdict rule's lead."""
+    own_bias = head.bias[k].abs() if head.bias is not None else 0.0
+    return (head.error_factor * ((head.row_norm[k] + head.max_row_norm) * norm_z + head.max_abs_bias + own_bias)
+            + head.underflow_floor + derived_error(head, k, norm_z) + head.witness_lead(k, norm_z))
+
+
 def bias_allowance(phi: float, s_k: torch.Tensor, sigma: torch.Tensor, spread: float,
                    own: torch.Tensor) -> torch.Tensor:
     """What the bias column adds to the pass's allowance: its share of the product's error,
@@ -219,7 +239,6 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None, rows: Centre
         for start in range(0, count, chunk):
             part = slice(start, min(start + chunk, count))
             k = torch.as_tensor(ids[part], device=device)
-            cols = torch.arange(k.numel(), device=device)
             block = gram[:k.numel()]
             left = rows.values.index_select(0, k)
             directions = head.rows64(k) - head.witness_centre
@@ -231,11 +250,7 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None, rows: Centre
                 valid &= (sigma.to(torch.float64) >= 2.0**-120) & (sigma.to(torch.float64) <= 2.0**120)
                 left[:, d] = sigma
                 sigma = sigma.to(torch.float64)
-            torch.matmul(left, rows.values.T, out=block)
-            block[cols, k] = -torch.inf  # the token is not its own rival
-            if others.numel():
-                block.index_fill_(1, others, -torch.inf)
-            top, rival = block.max(dim=1)
+            top, rival = _strongest_rivals(left, rows, k, others, block)
             top = s_k * top.to(torch.float64)
             own = size[k] / (1 + gamma(d + 2))  # the computed norm, within gamma_{d+2} of ||y_k||
             own_low = own * own * (1 - 4 * gamma(d + 4))  # <= ||y_k||^2
@@ -251,12 +266,8 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None, rows: Centre
                 slack = s_k * (phi * reach * size[k] + underflow_allowance(d, reach, size[k]))
             # and the rounding of this float64 arithmetic itself (a few operations on these magnitudes)
             lower = lead - top - slack - 8 * 2.0**-53 * (lead.abs() + top.abs() + slack)
-            # what the float64 re-check of z = s y_k needs: its rounding bound, the derived rows' error
-            # bounds (the norm domain's), and the verdict rule's lead
-            norm_z = s_k * safe_norm(directions, dim=1) * (1 + 2.0**-20)
-            needed = (head.error_factor * ((head.row_norm[k] + head.max_row_norm) * norm_z + head.max_abs_bias
-                                           + (head.bias[k].abs() if biased else 0.0))
-                      + head.underflow_floor + derived_error(head, k, norm_z) + head.witness_lead(k, norm_z))
+            norm_z = s_k * safe_norm(directions, dim=1) * (1 + 2.0**-20)  # >= ||z||, z = s y_k
+            needed = _recheck_needs(head, k, norm_z)
             won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top) & valid
             if head.domain.bounded:
                 won &= head.domain.contains_rows(directions * s_k[:, None], safe_norm)
@@ -297,19 +308,14 @@ def bfloat16_witnesses(head: EngineHead, ids: np.ndarray, witnesses: torch.Tenso
         for start in range(0, len(ids), chunk):
             part = slice(start, min(start + chunk, len(ids)))
             block = gram[:part.stop - part.start]
-            torch.matmul(witnesses[part].to(torch.bfloat16), rows.values.T, out=block)
-            block[torch.arange(block.shape[0], device=device), k[part]] = -torch.inf  # not its own rival
-            if others.numel():
-                block.index_fill_(1, others, -torch.inf)
-            best, rival[part] = block.max(dim=1)
+            best, rival[part] = _strongest_rivals(witnesses[part].to(torch.bfloat16), rows, k[part], others, block)
             top[part] = best.to(torch.float64)
     lead = own - top
     allowance = (product_error_factor(d) * rows.reach * norm_z + underflow_allowance(d, rows.reach, norm_z)
                  + gamma(d + 2) * norm_z * rows.size[k])
     # and the rounding of this float64 arithmetic itself
     lower = lead - allowance - 8 * 2.0**-53 * (own.abs() + top.abs() + allowance)
-    needed = (head.error_factor * (head.row_norm[k] + head.max_row_norm) * norm_z + head.underflow_floor
-              + derived_error(head, k, norm_z) + head.witness_lead(k, norm_z))
+    needed = _recheck_needs(head, k, norm_z)
     won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top)
     if head.domain.bounded:
         won &= head.domain.contains_rows(witnesses, safe_norm)
