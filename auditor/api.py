@@ -32,7 +32,8 @@ def _row_reader(weight):
 def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str = "auto",
           tokens: Iterable[int] | None = None, progress: bool = True, final_norm: FinalNorm | None = None,
           probability_ceiling: bool = False, residual_tol: float = 1e-10, frank_wolfe_iterations: int = 100,
-          lp_rounds: int = 30, newton_iterations: int = 40, threads: int | None = None) -> AuditReport:
+          lp_rounds: int = 30, newton_iterations: int = 40, threads: int | None = None,
+          bfloat16_entries: int | None = None, whitened_entries: int | None = None) -> AuditReport:
     """Decide which tokens of a head can be the strict argmax of its logits ``W z + b``.
 
     ``weight`` is an n x d numpy array or torch tensor (float16, bfloat16, float32
@@ -53,6 +54,10 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     constraint-generation rounds in the exact LP; the rounds decided tokens leave
     unused, and four tokens' worth more, go to the tokens still converging, so
     the stage runs at most ``lp_rounds`` (tokens + 4) rounds in all.
+
+    ``bfloat16_entries`` and ``whitened_entries`` are the head sizes (n d) from which the screen runs
+    its bfloat16 pass and tries whitened witnesses (docs/method.md, stage 1); None takes the engine's
+    2^22, below which neither pays for itself. Every certificate holds either way.
 
     ``threads`` caps the CPU threads torch uses during the call (the previous
     setting is restored afterwards); None takes OMP_NUM_THREADS when it is set,
@@ -82,8 +87,10 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     w, b64, dtype = prepare_inputs(weight, bias, chosen)
     ids = prepare_token_ids(tokens, w.shape[0])
     options = EngineOptions(frank_wolfe_iterations=frank_wolfe_iterations, lp_rounds=lp_rounds,
-                            newton_iterations=newton_iterations,
-                            residual_tol=residual_tol)
+                            newton_iterations=newton_iterations, residual_tol=residual_tol,
+                            **{name: value for name, value in (("bfloat16_entries", bfloat16_entries),
+                                                               ("whitened_entries", whitened_entries))
+                               if value is not None})
     norm_map = None
     if isinstance(parsed_domain, Norm):
         if final_norm is None:

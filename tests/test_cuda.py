@@ -7,6 +7,7 @@ import torch
 
 import auditor
 from auditor.engine import low_precision
+from auditor.engine import head as head_module
 from auditor.engine import screen as screen_module
 from conftest import mean_initialised
 from oracles import qhull_argmaxable, witness_wins
@@ -34,8 +35,8 @@ def test_cuda_verdicts_match_qhull_and_the_cpu(dtype):
 
 
 def test_the_bfloat16_pass_runs_on_cuda_and_proves_only_what_wins(monkeypatch):
-    monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 0)
-    monkeypatch.setattr(screen_module, "_WHITENED_ENTRIES", 0)
+    monkeypatch.setattr(head_module, "BFLOAT16_ENTRIES", 0)
+    monkeypatch.setattr(head_module, "WHITENED_ENTRIES", 0)
     rng = np.random.default_rng(1)
     W = (rng.standard_normal((3000, 64)) * np.linspace(2, 0.2, 64) + 0.5).astype(np.float32)
     assert low_precision.accumulates_as_assumed(torch.device("cuda"))

@@ -16,6 +16,7 @@ import torch
 import auditor
 from auditor.domain import parse_domain
 from auditor.engine import low_precision
+from auditor.engine import head as head_module
 from auditor.engine.head import build_engine_head
 from oracles import qhull_argmaxable, witness_wins
 
@@ -275,7 +276,7 @@ def test_with_the_witnesses_allowance_shrunk_the_product_proves_witnesses_that_l
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_audits_through_the_bfloat16_pass_match_qhull(seed, monkeypatch):
-    monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 0)  # the pass on a head small enough for Qhull
+    monkeypatch.setattr(head_module, "BFLOAT16_ENTRIES", 0)  # the pass on a head small enough for Qhull
     rng = np.random.default_rng(seed)
     W, planted = close_call_head(rng, d=5, base=300, pairs=60, spread=0.01)
     report = auditor.audit(W, progress=False)
@@ -303,7 +304,7 @@ def test_debug_says_which_arithmetic_the_screen_used(tmp_path, monkeypatch, caps
     logger = logging.getLogger("auditor")
     monkeypatch.setattr(logger, "handlers", [])  # what --debug adds is taken away after the test
     monkeypatch.setattr(logger, "level", logger.level)
-    monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 0)
+    monkeypatch.setattr(head_module, "BFLOAT16_ENTRIES", 0)
     W = np.random.default_rng(4).standard_normal((400, 8)).astype(np.float32)
     save_file({"lm_head.weight": W}, str(tmp_path / "head.safetensors"))
     main([str(tmp_path / "head.safetensors"), "--debug", "--quiet", "--fail-on", "none", "--format", "json"])
@@ -320,7 +321,7 @@ def test_debug_says_which_arithmetic_the_screen_used(tmp_path, monkeypatch, caps
 def test_with_a_bias_in_a_ball_the_pass_certifies_only_what_wins_there(rng, monkeypatch):
     from oracles import ball_margin
 
-    monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 0)
+    monkeypatch.setattr(head_module, "BFLOAT16_ENTRIES", 0)
     W, planted = close_call_head(rng, d=24, base=300, pairs=60)
     b = 0.3 * rng.standard_normal(W.shape[0])
     head = build_engine_head(torch.from_numpy(W), torch.from_numpy(b), np.arange(W.shape[0]), parse_domain("ball:2"),
@@ -345,7 +346,7 @@ def test_with_a_bias_in_a_ball_the_pass_certifies_only_what_wins_there(rng, monk
 
 
 def test_the_norm_domain_is_screened_in_bfloat16_and_its_witnesses_win_through_the_norm(monkeypatch):
-    monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 0)
+    monkeypatch.setattr(head_module, "BFLOAT16_ENTRIES", 0)
     calls = []
     original = low_precision.bfloat16_pass
     monkeypatch.setattr(low_precision, "bfloat16_pass", lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -357,6 +358,6 @@ def test_the_norm_domain_is_screened_in_bfloat16_and_its_witnesses_win_through_t
     assert calls  # the reduced head (float64, derived rows, a bias) went through the pass
     assert report.counts["inconclusive"] == 0
     assert auditor.verify(report, W, final_norm=norm).ok
-    monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 1 << 60)
+    monkeypatch.setattr(head_module, "BFLOAT16_ENTRIES", 1 << 60)
     without = auditor.audit(W, domain="norm", final_norm=norm, progress=False)
     assert [t.verdict for t in without.tokens] == [t.verdict for t in report.tokens]

@@ -6,6 +6,7 @@ import pytest
 
 import auditor
 from auditor.engine import low_precision
+from auditor.engine import head as head_module
 from auditor.engine import screen as screen_module
 from oracles import ball_margin, qhull_argmaxable, witness_wins
 
@@ -20,7 +21,7 @@ def long_thin_head(rng, n=400, d=5):
 def through_bfloat16(monkeypatch):
     """The bfloat16 pass on a head small enough for the oracles; returns, per call, the whitened witnesses
     the bfloat16 product proves."""
-    monkeypatch.setattr(low_precision, "_MIN_ENTRIES", 0)
+    monkeypatch.setattr(head_module, "BFLOAT16_ENTRIES", 0)
     proved = []
     original = low_precision.bfloat16_witnesses
 
@@ -37,7 +38,7 @@ def through_bfloat16(monkeypatch):
 def test_the_whitened_candidate_proves_only_argmaxable_tokens_and_matches_qhull(seed, bfloat16, monkeypatch):
     W = long_thin_head(np.random.default_rng(seed))
     without = auditor.audit(W, progress=False)  # this head is below the size the candidate starts at
-    monkeypatch.setattr(screen_module, "_WHITENED_ENTRIES", 0)  # on a head small enough for Qhull
+    monkeypatch.setattr(head_module, "WHITENED_ENTRIES", 0)  # on a head small enough for Qhull
     proved = through_bfloat16(monkeypatch) if bfloat16 else None
     report = auditor.audit(W, progress=False)
     if bfloat16:  # the candidates went through the bfloat16 product (at d = 5 most are close calls for float64)
@@ -53,7 +54,7 @@ def test_the_whitened_candidate_proves_only_argmaxable_tokens_and_matches_qhull(
 
 @pytest.mark.parametrize("bfloat16", [False, True])
 def test_in_a_ball_the_whitened_witnesses_stay_inside_and_match_the_cone_program(bfloat16, monkeypatch):
-    monkeypatch.setattr(screen_module, "_WHITENED_ENTRIES", 0)
+    monkeypatch.setattr(head_module, "WHITENED_ENTRIES", 0)
     proved = through_bfloat16(monkeypatch) if bfloat16 else [1]
     W = long_thin_head(np.random.default_rng(5), n=150)
     report = auditor.audit(W, domain="ball:0.5", progress=False)

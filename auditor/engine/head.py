@@ -8,7 +8,7 @@ certificates need are formed by blocks of rows (``logits``, ``combine``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,6 +16,11 @@ import torch
 from auditor._arrays import row_blocks
 from auditor.domain import Domain
 from auditor.engine.rounding import UNIT_ROUNDOFF_32, gamma, logit_error_factor, safe_norm, underflow_floor
+
+# The head sizes (n d) from which the screen runs the bfloat16 pass and tries whitened witnesses: below
+# them neither pays for itself. Defaults of EngineOptions and EngineHead, read when those are made.
+BFLOAT16_ENTRIES = 1 << 22
+WHITENED_ENTRIES = 1 << 22
 
 
 @dataclass
@@ -52,6 +57,9 @@ class EngineHead:
     decide_at_tolerance: bool = True  # see EngineOptions; witnesses then lead by more than witness_lead
     # the origin of the coordinates the rows were given in, in this head's (normal form) coordinates; None: 0
     origin: torch.Tensor | None = None
+    # the sizes (n d) from which the screen runs the bfloat16 pass and tries whitened witnesses (EngineOptions)
+    bfloat16_entries: int = field(default_factory=lambda: BFLOAT16_ENTRIES)
+    whitened_entries: int = field(default_factory=lambda: WHITENED_ENTRIES)
 
     @property
     def max_row_error(self) -> float:

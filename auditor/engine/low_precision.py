@@ -9,7 +9,7 @@ same for every rival, so the margin is s y_k . y_k + b_k - max_i (s y_i . y_k + 
 
 The products y_i . y_k come from the rows rounded to bfloat16,
 y'_i = bf16(fl(w_i - c)), multiplied with float32 accumulation and rounded to
-bfloat16 on output. With u_b = 2^-9 and u = 2^-24 the unit roundoffs of bfloat16
+bfloat16 on output. With u_b = 2^-8 and u = 2^-24 the unit roundoffs of bfloat16
 and float32, each stored entry is y_ij (1 + e), |e| <= eps = (1 + u_b)(1 + u)(1 + 2^-53) - 1
 (at most three correctly rounded steps), the products of two bfloat16 numbers
 are exact in float32, any order of float32 summation is within gamma_d(2u) of
@@ -18,7 +18,7 @@ accelerators do, as well as rounding to nearest), and the output rounding adds
 u_b of the sum. Together (docs/method.md, "The bfloat16 pass"):
 
     |computed - y_i . y_k| <= phi |y_i|.|y_k| <= phi ||y_i|| ||y_k||,
-    phi = (1 + u_b)(1 + gamma_d(2u))(1 + eps)^2 - 1   (0.0060 at d = 768),
+    phi = (1 + u_b)(1 + gamma_d(2u))(1 + eps)^2 - 1   (0.0119 at d = 768),
 
 plus a floor for underflow (subnormals flushed to zero). So the exact margin
 at y_k is at least
@@ -54,11 +54,10 @@ import torch
 
 from auditor.engine.certify import derived_error
 from auditor.engine.head import EngineHead, robust_row_norms
-from auditor.engine.rounding import UNIT_ROUNDOFF_32, float32_towards_zero, gamma, safe_norm
+from auditor.engine.rounding import (SMALLEST_NORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, UNIT_ROUNDOFF_BF16,
+                                     float32_towards_zero, gamma, safe_norm)
 
-UNIT_ROUNDOFF_BF16 = 2.0**-9
 _BLOCK_BUDGET = 1 << 25  # entries of one chunk x n bfloat16 block (64 MiB)
-_MIN_ENTRIES = 1 << 22  # heads smaller than this are screened in float32 alone: the pass would not pay
 _PROBE_LENGTH = 4096
 
 log = logging.getLogger("auditor")
@@ -73,7 +72,7 @@ def product_error_factor(d: int) -> float:
     float64 head's conversion through float32, bfloat16). The float32 sums are allowed a unit of 2^-23,
     not 2^-24: some accelerators add with the terms aligned and truncated (round towards zero), which
     doubles the error of each addition."""
-    eps = (1 + UNIT_ROUNDOFF_BF16) * (1 + UNIT_ROUNDOFF_32) * (1 + 2.0**-53) - 1
+    eps = (1 + UNIT_ROUNDOFF_BF16) * (1 + UNIT_ROUNDOFF_32) * (1 + UNIT_ROUNDOFF) - 1
     return (1 + UNIT_ROUNDOFF_BF16) * (1 + gamma(d, 2 * UNIT_ROUNDOFF_32)) * (1 + eps) ** 2 - 1
 
 
@@ -81,7 +80,7 @@ def underflow_allowance(d: int, size_i: float, size_k: torch.Tensor) -> torch.Te
     """Absolute error underflow may add where the products flush subnormals to zero (AVX512-BF16 does):
     entries below 2^-126 lost (2^-126 sqrt(d) (||y_i|| + ||y_k||) in all, doubled), products and sums
     below float32's normal range (d + 4 of 2^-126), and the output's rounding."""
-    return 2.0**-125 * np.sqrt(d) * (size_i + size_k) + (d + 5) * 2.0**-126
+    return 2 * SMALLEST_NORMAL_32 * np.sqrt(d) * (size_i + size_k) + (d + 5) * SMALLEST_NORMAL_32
 
 
 class reduced_precision_off:
@@ -136,9 +135,10 @@ def accumulates_as_assumed(device: torch.device) -> bool:
 
 def applies(head: EngineHead) -> bool:
     """The pass covers heads without a bias in any domain and heads with one in a bounded domain (the norm
-    domain's reduced head among them), of at least _MIN_ENTRIES entries, with rows and biases in a range
-    where bfloat16 keeps its relative precision, on a device whose product accumulates as assumed."""
-    if not (head.n * head.d >= _MIN_ENTRIES and (head.bias is None or head.domain.bounded)
+    domain's reduced head among them), of at least head.bfloat16_entries entries (EngineOptions), with rows
+    and biases in a range where bfloat16 keeps its relative precision, on a device whose product
+    accumulates as assumed."""
+    if not (head.n * head.d >= head.bfloat16_entries and (head.bias is None or head.domain.bounded)
             and 2.0**-40 <= head.typical_spread and head.max_row_norm <= 2.0**40 and head.max_abs_bias <= 2.0**60):
         return False
     if not accumulates_as_assumed(head.device):

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from auditor.domain import Ball, Domain
+from auditor.engine import head as head_module
 from auditor.engine.anchor import anchored_certificates
 from auditor.engine.bounded_dual import bounded_dual
 from auditor.engine.decisions import (ARGMAXABLE, INCONCLUSIVE, STAGES, UNDECIDED, Decisions, set_convex,
@@ -65,6 +66,10 @@ class EngineOptions:
     # so that no token can hold both and the verdict does not depend on which is found first; the
     # norm domain's reduced head, whose convex certificates also come from the head as given, does not
     decide_at_tolerance: bool = True
+    # heads of at least this many entries (n d) are screened in bfloat16 first (low_precision.py), and,
+    # without a bias, try whitened witnesses before Frank-Wolfe: below them neither pays for itself
+    bfloat16_entries: int = field(default_factory=lambda: head_module.BFLOAT16_ENTRIES)
+    whitened_entries: int = field(default_factory=lambda: head_module.WHITENED_ENTRIES)
 
 
 @dataclass
@@ -94,6 +99,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     head = build_engine_head(form.weight, form.bias, representative, form.domain, options.residual_tol,
                              form.row_error, form.bias_error)
     head.decide_at_tolerance = options.decide_at_tolerance
+    head.bfloat16_entries, head.whitened_entries = options.bfloat16_entries, options.whitened_entries
     if form.translation is not None:
         head.origin = times_power_of_two(-form.translation.to(torch.float64), form.weight_exponent)
     if row_error is None and bias_error is None and (form.row_error is not None or form.bias_error is not None):

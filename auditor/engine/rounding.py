@@ -11,11 +11,33 @@ to cover the rounding of the bound's own arithmetic and of storing the witness.
 
 from __future__ import annotations
 
-UNIT_ROUNDOFF = 2.0**-53
-SMALLEST_SUBNORMAL = 2.0**-1074
+import torch
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = 2^-p for a format of p significant bits (the implicit one included): half its machine epsilon,
+    which finfo gives as 2^(1-p). The relative error of one rounding to nearest is at most u."""
+    return float(torch.finfo(dtype).eps) / 2
+
+
+def smallest_subnormal(dtype: torch.dtype) -> float:
+    """The spacing of the format's numbers below its normal range: smallest normal times epsilon."""
+    info = torch.finfo(dtype)
+    return float(info.tiny) * float(info.eps)
+
+
+def smallest_normal(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).tiny)
+
+
+UNIT_ROUNDOFF = unit_roundoff(torch.float64)  # 2^-53
+SMALLEST_SUBNORMAL = smallest_subnormal(torch.float64)  # 2^-1074
 # The same constants for float32 arithmetic (the screening pass of float32 heads).
-UNIT_ROUNDOFF_32 = 2.0**-24
-SMALLEST_SUBNORMAL_32 = 2.0**-149
+UNIT_ROUNDOFF_32 = unit_roundoff(torch.float32)  # 2^-24
+SMALLEST_SUBNORMAL_32 = smallest_subnormal(torch.float32)  # 2^-149
+SMALLEST_NORMAL_32 = smallest_normal(torch.float32)  # 2^-126, bfloat16's too
+# bfloat16 keeps 8 significant bits: u = 2^-8
+UNIT_ROUNDOFF_BF16 = unit_roundoff(torch.bfloat16)
 
 
 def gamma(n: int, unit: float = UNIT_ROUNDOFF) -> float:
@@ -34,8 +56,6 @@ def underflow_floor(d: int, subnormal: float = SMALLEST_SUBNORMAL) -> float:
 
 def safe_norm(x, dim: int = -1):
     """Euclidean norms along ``dim`` that neither underflow nor overflow (the peak is divided out first)."""
-    import torch
-
     peak = x.abs().amax(dim=dim, keepdim=True)
     unit = x / torch.where(peak > 0, peak, torch.ones_like(peak))
     return peak.squeeze(dim) * torch.linalg.vector_norm(unit, dim=dim)
@@ -44,8 +64,6 @@ def safe_norm(x, dim: int = -1):
 def float32_towards_zero(scale):
     """float32 values at most ``scale`` (positive float64 tensor), as float64: a witness scaled by them stays
     inside the domain, and a float32 pass multiplies by them exactly."""
-    import torch
-
     rounded = scale.to(torch.float32)
     high = rounded.to(torch.float64) > scale
     rounded[high] = torch.nextafter(rounded[high], torch.zeros_like(rounded[high]))
@@ -72,8 +90,6 @@ class ieee_float32_products:
     raises; so the block sets whichever is in use, and puts back what it found."""
 
     def __enter__(self):
-        import torch
-
         self.legacy = None
         self.backends = []
         try:
@@ -88,8 +104,6 @@ class ieee_float32_products:
         return self
 
     def __exit__(self, *exc):
-        import torch
-
         if self.legacy is not None:
             torch.set_float32_matmul_precision(self.legacy)
         for backend, precision in reversed(self.backends):

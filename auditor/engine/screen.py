@@ -43,7 +43,6 @@ from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_
 _BLOCK_BUDGET = 1 << 24  # entries per chunk x n block (64 MiB in float32); two blocks live at once with a bias
 _SHIFTS = (0.0, 1.0)
 _LARGE_HEAD = 1 << 20  # entries from which a float64 head is screened through a float32 copy
-_WHITENED_ENTRIES = 1 << 22  # heads from this size try the whitened direction before Frank-Wolfe
 _BOUNDED_LADDER = (1.0, 1 / 4, 1 / 16, 1 / 64)  # fractions of the largest scale, with a bias
 _UNBOUNDED_LADDER = (1.0, 64.0, 4096.0)  # logit scale relative to the bias spread
 
@@ -288,7 +287,7 @@ def _screen_chunk(head: EngineHead, arithmetic: _Arithmetic, ids: np.ndarray, re
 
 
 def _tries_whitened(head: EngineHead) -> bool:
-    return head.bias is None and head.n * head.d >= _WHITENED_ENTRIES
+    return head.bias is None and head.n * head.d >= head.whitened_entries
 
 
 def whitened_witnesses(head: EngineHead, ids: np.ndarray, centred: low_precision.CentredRows | None = None

@@ -8,9 +8,9 @@ import numpy as np
 
 from auditor.domain import Ball
 
-U = 2.0**-53
-ETA = 2.0**-1074
-U32 = 2.0**-24  # float32's: the audit computes margins in the storage's precision, float32 for a float32 head
+U = float(np.finfo(np.float64).eps) / 2  # 2^-53: the unit roundoff of p = 53 significant bits is 2^-p
+ETA = float(np.finfo(np.float64).smallest_subnormal)  # 2^-1074
+U32 = float(np.finfo(np.float32).eps) / 2  # 2^-24
 
 
 def gamma(n: int, unit: float = U) -> float:
