@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 from auditor._io import read_json_report
+from auditor._version import SOUND_SINCE, version_tuple
 from auditor.errors import InputError
 from auditor.explain import next_steps, summary_lines
 
@@ -34,6 +35,10 @@ def read_shard(path: Path) -> dict:
         raise InputError(f"{path}: not a JSON report of audit (use --format json)")
     if not isinstance(document.get("shard"), dict):
         raise InputError(f"{path}: not a shard (it was written without --shard I/N)")
+    version = (document.get("tool") or {}).get("version") if isinstance(document.get("tool"), dict) else None
+    if version_tuple(version) < SOUND_SINCE:
+        raise InputError(f"{path}: written by auditor {version}, whose bfloat16 screen could certify witnesses "
+                         "that do not hold; run this shard again")
     return document
 
 

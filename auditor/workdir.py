@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from auditor._io import write_atomically
-from auditor._version import __version__
+from auditor._version import SOUND_SINCE, __version__, version_tuple
 from auditor.baseline import vocabulary_fingerprint
 from auditor.errors import InputError
 from auditor.formats.json_format import head_section
@@ -129,6 +129,13 @@ class WorkDir:
             raise InputError(f"--work-dir {self.path}: holds blocks of another head (its weights differ); "
                              "give a new folder or empty this one")
         settings = document.get("settings") or {}
+        if (version_tuple(settings.get("version")) < SOUND_SINCE
+                and all(name == "version" for name, _, _ in _differences(settings, binding.settings))):
+            # blocks of a version whose bfloat16 screen could certify false witnesses: none is reused (each
+            # block file carries the binding's key, which the version is part of), every one is decided again
+            document["settings"] = binding.settings
+            write_atomically({manifest: json.dumps(document, indent=2, sort_keys=True) + "\n"})
+            return
         for name, before, now in _differences(settings, binding.settings):
             raise InputError(f"--work-dir {self.path}: holds blocks of an audit with other settings "
                              f"({name} was {json.dumps(before)}, now {json.dumps(now)}); "

@@ -393,3 +393,72 @@ def test_probability_ceilings_prove_no_token_the_rule_calls_unargmaxable(seed):
     ceilings = auditor.audit(W, domain=auditor.Ball(2.0), probability_ceiling=True, progress=False)
     assert verdicts(plain) == verdicts(ceilings)
     assert plain.tokens[W.shape[0] - 1].verdict == "unargmaxable"
+
+
+# --- an exact common offset of every row, inconclusive verdicts included --------------------------
+
+def boundary_head(seed: int, bias: bool, n: int = 120, d: int = 8):
+    """n rows on a grid of 2^-10 and 11 more on or near the hull's boundary (convex combinations of three
+    rows, and midpoints of a far row and the row that leads towards it), on a grid of 2^-30; with a bias
+    on a grid of 2^-10. An offset on the grid of 2^-10 up to 2^21 in size keeps every entry exact."""
+    rng = np.random.default_rng(seed)
+    W = np.round(rng.standard_normal((n, d)) * 2**10) / 2**10
+    extra = []
+    for j in range(11):
+        if j % 2:
+            extra.append(rng.dirichlet(np.ones(3)) @ W[rng.choice(n, 3, replace=False)])
+        else:
+            far = W[np.argmax(W @ rng.standard_normal(d))]
+            extra.append(0.5 * far + 0.5 * W[np.argmax(W @ far)])
+    W = np.vstack([W, np.round(np.array(extra) * 2**30) / 2**30])
+    b = np.round(rng.standard_normal(len(W)) * 2**6) / 2**10 if bias else None
+    return W, b
+
+
+def spread(W: np.ndarray) -> float:
+    centre = np.partition(W, (len(W) - 1) // 2, axis=0)[(len(W) - 1) // 2]
+    return float(np.median(np.linalg.norm(W - centre, axis=1)))
+
+
+def assert_same_answers(first, second) -> None:
+    """Every verdict equal, inconclusive included, and the same stages."""
+    a = [(t.verdict, t.stage) for t in first.tokens]
+    b = [(t.verdict, t.stage) for t in second.tokens]
+    assert a == b, {k: (a[k], b[k]) for k in range(len(a)) if a[k] != b[k]}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("domain", ["unbounded", "ball:2"])
+@pytest.mark.parametrize("seed", [2, pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow)])
+def test_an_exact_offset_of_every_row_moves_no_verdict_inconclusive_included(seed, domain, bias):
+    """Offsets of 1, 10^3 and 10^6 times the rows' spread (seed 2, ball:2 without a bias: a token near the
+    hull's boundary was argmaxable on the head and inconclusive under each offset, while the rows were
+    translated only when far from the origin)."""
+    W, b = boundary_head(seed, bias)
+    base = auditor.audit(W, b, domain=domain, progress=False)
+    rng = np.random.default_rng(seed + 100)
+    direction = rng.standard_normal(W.shape[1])
+    direction /= np.linalg.norm(direction)
+    for times in (1.0, 1e3, 1e6):
+        v = np.round(direction * times * spread(W) * 2**10) / 2**10
+        moved = W + v
+        assert np.array_equal(moved - v, W)  # exact: the same head for argmaxability
+        report = auditor.audit(moved, b, domain=domain, progress=False)
+        assert_same_answers(base, report)
+        assert auditor.verify(report, moved, b).ok
+    assert auditor.verify(base, W, b).ok
+
+
+@pytest.mark.parametrize("times", [1.0, 1e3])
+def test_an_exact_offset_of_a_float32_head_whose_rows_less_their_median_are_float32_moves_no_verdict(times):
+    """A float32 head on a grid of 2^-8: its rows less their median are float32 values, so it is translated
+    in float32 whatever the offset, and W and W + v give bit-identical rows to the engine (an offset of
+    10^3 spreads on that grid takes 22 of float32's 24 bits; 10^6 would not be exact)."""
+    W, _ = boundary_head(3, False, n=200, d=6)
+    W = (np.round(W * 2**8) / 2**8).astype(np.float32)
+    direction = np.random.default_rng(7).standard_normal(W.shape[1])
+    v = (np.round(direction / np.linalg.norm(direction) * times * spread(W.astype(np.float64)) * 2**2)
+         / 2**2).astype(np.float32)
+    moved = W + v
+    assert np.array_equal(moved - v, W)
+    assert_same_answers(auditor.audit(W, progress=False), auditor.audit(moved, progress=False))

@@ -79,8 +79,9 @@ def product_error_factor(d: int) -> float:
 def underflow_allowance(d: int, size_i: float, size_k: torch.Tensor) -> torch.Tensor:
     """Absolute error underflow may add where the products flush subnormals to zero (AVX512-BF16 does):
     entries below 2^-126 lost (2^-126 sqrt(d) (||y_i|| + ||y_k||) in all, doubled), products and sums
-    below float32's normal range (d + 4 of 2^-126), and the output's rounding."""
-    return 2 * SMALLEST_NORMAL_32 * np.sqrt(d) * (size_i + size_k) + (d + 5) * SMALLEST_NORMAL_32
+    below float32's normal range each flushed on its own (2d + 4 of 2^-126, whether or not a kernel
+    fuses them), and the output's rounding."""
+    return 2 * SMALLEST_NORMAL_32 * np.sqrt(d) * (size_i + size_k) + (2 * d + 5) * SMALLEST_NORMAL_32
 
 
 class reduced_precision_off:

@@ -16,10 +16,16 @@ rounding bound) into one whose numbers sit near 1:
   two. Scaling the head, the bias or the radius by a power of two in any of
   the ways the spec lists gives bit-identical numbers here, hence identical
   verdicts;
-- when the rows share a common offset far larger than their spread
-  (``_OFFSET_RATIO``), the rows are translated by their mean c: logits all
-  change by c . z, so no verdict does. The translated rows are float64,
-  each within u |w_i - c| of exact, added to the row error bound.
+- the rows are translated by their coordinate-wise lower median m: logits
+  all change by m . z, so no verdict does. m is an entry of each column, so
+  a common offset v of the rows that is exact in their storage moves it by
+  exactly v: W and W + v give the same real numbers w_i - m, rounded
+  alike, and every verdict (inconclusive included) is the same for both.
+  A float64 head is always translated, each entry rounded at most once (its
+  error, found exactly by TwoSum, goes into the row error bound); a float32
+  head is translated when every difference is a float32 value, and through
+  a float64 copy when its rows share an offset far larger than their spread
+  (``_OFFSET_RATIO``); otherwise it stays as given, its own float32 rows.
 
 Ties are found on the rows as given, before any rounding.
 """
@@ -34,11 +40,10 @@ import torch
 
 from auditor._arrays import row_blocks
 from auditor.domain import Domain
-from auditor.engine.decisions import Decisions
+from auditor.engine.decisions import ARGMAXABLE, INCONCLUSIVE, Decisions
 from auditor.engine.head import EngineHead, median_row
 from auditor.errors import InputError
 
-_UNIT = 2.0**-53
 _OFFSET_RATIO = 64.0  # translate when the median row is this many typical spreads from the origin
 _BLOCK_ROWS = 2048
 
@@ -121,18 +126,25 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
                 bias_error = rounding if bias_error is None else bias_error + rounding
             bias = relative
 
-    translation = None
-    # Distances are measured on the head scaled by 2^p, p from its largest entry, so that no
+    # The rows less their coordinate-wise median m, an entry of each column: m moves exactly with a
+    # common offset v of the rows (median(W + v) = median(W) + v when W + v is exact), so W and W + v
+    # give the same real numbers w_i - m, rounded alike, and the engine sees bit-identical rows.
+    centre = median_row(weight, competitor)
+    # Distances are measured on the head scaled by 2^p, p from the largest |w_ij - m_j|, so that no
     # square overflows or underflows; p, like everything below, moves exactly with the head's scale.
-    p = _exponent(float(weight.abs().max()) if weight.numel() else 0.0)
-    centre, spread = _centre_and_spread(weight, competitor, p)
-    if spread > 0 and float(torch.linalg.vector_norm(centre * _power(p))) > _OFFSET_RATIO * spread:
-        translated = torch.empty(weight.shape, dtype=torch.float64, device=weight.device)
-        for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
-            translated[s:e] = rows - centre
-        rounding = torch.linalg.vector_norm(translated * _power(p), dim=1) * (_UNIT / (1 - _UNIT)) * _power(-p)
-        row_error = rounding if row_error is None else row_error + rounding
+    p = _exponent(_peak_offset(weight, centre))
+    spread = _spread(weight, competitor, p, centre)
+    translation = None
+    # A float64 head is always translated; a float32 head when its differences are float32 values (no
+    # larger copy, nothing rounded), or through a float64 copy when its rows share an offset far larger
+    # than their spread (where rounding relative to the rows' size would swamp their differences).
+    far = spread > 0 and float(torch.linalg.vector_norm(centre * _power(p))) > _OFFSET_RATIO * spread
+    translated, rounding = _translated(weight, centre, widen=weight.dtype == torch.float64 or far)
+    if translated is not None:
+        if rounding is not None:
+            row_error = rounding if row_error is None else row_error + rounding
         weight, translation = translated, centre
+    del translated
 
     # Order statistics and norms move exactly with a power-of-two scaling, so the exponents do too.
     a = p + _exponent(spread) if spread > 0 else p
@@ -154,15 +166,77 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
     return NormalForm(weight, bias, domain.scaled(c - a), row_error, bias_error, a, c, translation)
 
 
-def _centre_and_spread(weight: torch.Tensor, competitor: torch.Tensor, p: int) -> tuple[torch.Tensor, float]:
-    """The coordinate-wise median competitor row, and the median distance of the competitor rows
-    from it on the head scaled by 2^p."""
-    centre = median_row(weight, competitor)
+def _peak_offset(weight: torch.Tensor, centre: torch.Tensor) -> float:
+    """max_ij |w_ij - m_j| (each difference rounded to float64), by blocks of rows."""
+    peak = 0.0
+    for _, _, rows in row_blocks(weight, _BLOCK_ROWS):
+        peak = max(peak, float((rows - centre).abs().max()) if rows.numel() else 0.0)
+    return peak
+
+
+def _two_difference(rows: torch.Tensor, centre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fl(rows - centre) and its exact rounding error (Knuth's TwoSum, float64)."""
+    difference = rows - centre
+    back = difference - rows
+    return difference, (rows - (difference - back)) + (-centre - back)
+
+
+def _translated(weight: torch.Tensor, centre: torch.Tensor, widen: bool
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the rows less ``centre``, a bound on each translated row's rounding or None where nothing was
+    rounded). A float32 head whose differences are all float32 values stays float32, the same size;
+    otherwise, when ``widen``, they are float64, each entry rounded at most once, its error found
+    exactly; else (None, None): the head stays as given."""
+    if weight.dtype == torch.float32:
+        narrow = torch.empty_like(weight)
+        for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
+            difference, error = _two_difference(rows, centre)
+            narrow[s:e] = difference.to(torch.float32)
+            if bool(error.any()) or not torch.equal(narrow[s:e].to(torch.float64), difference):
+                del narrow
+                break
+        else:
+            return narrow, None
+    if not widen:
+        return None, None
+    wide = torch.empty(weight.shape, dtype=torch.float64, device=weight.device)
+    bound = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
+    for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
+        wide[s:e], error = _two_difference(rows, centre)
+        bound[s:e] = torch.linalg.vector_norm(error, dim=1)
+    if bool(bound.any()):
+        return wide, bound * (1 + 2.0**-40)  # and the norm's own rounding, a few units of 2^-53
+    return wide, None
+
+
+def _spread(weight: torch.Tensor, competitor: torch.Tensor, p: int, centre: torch.Tensor | None) -> float:
+    """The median distance of the competitor rows from ``centre`` (0 when None: the rows are translated
+    already) on the head scaled by 2^p."""
     factor = _power(p)
     distances = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
     for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
-        distances[s:e] = torch.linalg.vector_norm((rows - centre) * factor, dim=1)
-    return centre, float(torch.median(distances[competitor]))
+        distances[s:e] = torch.linalg.vector_norm((rows - centre if centre is not None else rows) * factor, dim=1)
+    return float(torch.median(distances[competitor]))
+
+
+def _in_given_units(z: np.ndarray, e: int) -> np.ndarray | None:
+    """z 2^e, or None where the units as given cannot hold it exactly (it overflows, or falls below
+    float64's normal range and is rounded there): that would not be the point that was checked."""
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        given = times_power_of_two(z, e)
+        if np.all(np.isfinite(given)) and np.array_equal(times_power_of_two(given, -e), z):
+            return given
+    return None
+
+
+def _left_open(out: Decisions, k: int) -> None:
+    """Token k's witness cannot be stated: it is left inconclusive, its margin found as the lower bound."""
+    out.explicit_witness.pop(k, None)
+    out.verdict[k] = INCONCLUSIVE
+    out.bounds[k] = (float(out.margin[k]) if np.isfinite(out.margin[k]) else -np.inf, np.inf)
+    out.margin[k] = np.nan
+    out.runner_up[k] = -1
+    out.witness_scale[k] = np.nan
 
 
 def to_given_units(out: Decisions, form: NormalForm, head: EngineHead) -> None:
@@ -173,9 +247,17 @@ def to_given_units(out: Decisions, form: NormalForm, head: EngineHead) -> None:
     """
     a, c = form.weight_exponent, form.logit_exponent
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        out.margin = times_power_of_two(out.margin, -c)
+        given = times_power_of_two(out.margin, -c)
+        # a lower bound that lands below the normal range is rounded there: downwards, so it stays one
+        inexact = np.isfinite(out.margin) & (times_power_of_two(given, c) != out.margin)
+        out.margin = np.where(inexact, np.nextafter(given, -np.inf), given)
+    unstated = []
     for k in list(out.explicit_witness):
-        out.explicit_witness[k] = times_power_of_two(out.explicit_witness[k], a - c)
+        given = _in_given_units(out.explicit_witness[k], a - c)
+        if given is None:
+            unstated.append(k)
+        else:
+            out.explicit_witness[k] = given
     # The formula witness s (w_k - t c) refers to the rows as given: z = 2^(a-c) s 2^a (w_k - t c)
     # takes the scale 2^(2a-c) s. Where that leaves the normal float range, or the rows were
     # translated (the formula's rows are then not the given ones), store the very point checked.
@@ -187,10 +269,18 @@ def to_given_units(out: Decisions, form: NormalForm, head: EngineHead) -> None:
     for k in np.nonzero(~normal)[0].tolist():
         row = head.rows64([k])[0]
         direction = row - out.witness_shift[k] * head.witness_centre if out.witness_shift[k] else row
-        out.explicit_witness[k] = times_power_of_two((direction * float(out.witness_scale[k])).cpu().numpy(), a - c)
+        given = _in_given_units((direction * float(out.witness_scale[k])).cpu().numpy(), a - c)
+        if given is None:
+            unstated.append(k)
+        else:
+            out.explicit_witness[k] = given
         scaled[k] = np.nan
     out.witness_scale = scaled
     out.centre = times_power_of_two(out.centre, -a)
+    with np.errstate(over="ignore", invalid="ignore"):  # a formula witness whose entries would overflow
+        reach = np.abs(scaled) * (times_power_of_two(head.row_norm.cpu().numpy(), -a)
+                                  + np.abs(out.witness_shift) * float(np.linalg.norm(out.centre)))
+    unstated += np.nonzero(np.isfinite(scaled) & ~(reach < np.finfo(np.float64).max / 4))[0].tolist()
     if form.translation is not None:
         out.centre = out.centre + form.translation.cpu().numpy()
     residual_unit = -c if head.domain.bounded else -a
@@ -199,3 +289,5 @@ def to_given_units(out: Decisions, form: NormalForm, head: EngineHead) -> None:
     for k, (lower, upper) in out.bounds.items():
         out.bounds[k] = (times_power_of_two(lower, -c),
                          times_power_of_two(upper, -c if head.domain.bounded or head.bias is None else -a))
+    for k in unstated:  # in the units as given already
+        _left_open(out, k)

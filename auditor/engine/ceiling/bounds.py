@@ -193,9 +193,16 @@ class Float32Certifier:
                 y = torch.index_select(y, 0, need, out=buffers.get("y32", part, torch.float32, z.device, len(k)))
                 e = torch.index_select(e, 0, need, out=buffers.get("e32", part, torch.float32, z.device, len(k)))
             upper[need], norm_mass, gradient[need], bound = self._gibbs_bound(k[need], y, e, total[need], domain)
-            # the rivals' errors weighted by the softmax (Jensen, docs/method.md) rather than the largest
-            sharper = probability_below(value[need] + self._logit_error(k[need], size[need], norm_mass, scale.max_bias)
-                                        + rest[need])
+            # the rivals' errors weighted by the softmax rather than the largest (docs/method.md): with
+            # |x_i - x~_i| <= e_k + e_i, log sum q~_i exp(e_i) <= (sum q~_i e_i) expm1(E) / E, E = max e_i,
+            # since exp lies below its chord on [0, E]
+            own_bias = self.bias[k[need]].abs() if self.bias is not None else 0.0
+            own_part = self.logit_factor * (scale.norms[k[need]] * size[need] + own_bias)
+            widest = self.logit_factor * (scale.max_norm * size[need] + scale.max_bias)  # E
+            mean_part = self.logit_factor * (norm_mass * size[need] + scale.max_bias)  # >= sum q~_i e_i
+            chord = torch.where(widest > 0, torch.expm1(widest) / widest.clamp(min=2.0**-1000),
+                                torch.ones_like(widest)) * (1 + 2.0**-48)  # and the rounding of all this
+            sharper = probability_below(value[need] + (own_part + mean_part * chord) * (1 + 2.0**-48) + rest[need])
             lower[need] = torch.maximum(lower[need], sharper)
             floor[need] = (probability(value[need]) - lower[need]) + (upper[need] - probability(bound))
         return Certified(value, gradient, lower, upper, margin, runner_up, floor)
