@@ -55,7 +55,7 @@ def evaluate(weight: torch.Tensor, bias: torch.Tensor | None, k: torch.Tensor, z
     logits[rows, k] = -torch.inf
     top = logits.amax(dim=1)  # values only: max(dim=1) would also find the indices, which nothing here needs
     terms = logits.sub_(top[:, None]).exp_()  # exp(l_i - max): each in (0, 1], the largest 1
-    total = terms.sum(dim=1).to(z.dtype)  # in the steering rounded to bfloat16 (2^-9, harmless); a dtype= would copy
+    total = terms.sum(dim=1).to(z.dtype)  # steering only: bfloat16 rounding (2^-8) is harmless here; a dtype= would copy
     value = torch.log(total) + (top.to(z.dtype) - own)
     if gradient is True:
         need, chosen = rows, terms
