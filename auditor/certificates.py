@@ -42,9 +42,10 @@ _DECIDED = tuple(v for v in VERDICTS if v != "undecided")
 class TokenVerdict:
     """One token's verdict with its certificate.
 
-    argmaxable: ``witness`` (float64 z in the domain) and ``margin``, the computed
-    min_{i != k} (l_k(z) - l_i(z)); for an unbounded head without bias the margin
-    is quoted on the unit ball, i.e. for z / ||z||.
+    argmaxable: ``witness`` (float64 z in the domain) and ``margin``, a proven lower
+    bound of the exact min_{i != k} (l_k(z) - l_i(z)) over the rivals outside k's
+    tie group; for an unbounded head without bias the margin is quoted on the unit
+    ball, i.e. for z / ||z||. In the ``norm`` domain z is the exact normalisation of ``pre_norm``.
     unargmaxable: ``convex_indices`` and ``convex_weights`` (largest first; they
     sum to 1 and never include k) and ``residual``: an upper bound on
     ||sum alpha_i w_i - w_k|| in the unbounded domain, on the dual value

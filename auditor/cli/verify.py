@@ -32,8 +32,8 @@ _EPILOG = """\
 exit codes:
   0  every certificate, and every number the file states, holds
   1  at least one does not: one line per failing token id naming the field
-     (witness, convex weights, margin, residual, bias_gap, max_probability,
-     bounds), then the list
+     (tie, witness, convex weights, margin, runner_up, residual, bias_gap,
+     max_probability, bounds), then the list
   2  error: a missing or unreadable file, not a certificates file, a head of
      another shape, bias or domain than the file's (one line on stderr)
 

@@ -51,9 +51,10 @@ import numpy as np
 import torch
 
 from auditor.domain import Ball, Box, Domain
+from auditor.engine.certify import derived_error
 from auditor.engine.frank_wolfe import active_support, pairwise_move, running_tokens
 from auditor.engine.head import EngineHead
-from auditor.engine.rounding import proves_positive, safe_norm
+from auditor.engine.rounding import proven_lower, proves_positive, safe_norm
 
 _SCORE_BUDGET = 1 << 22  # float64 entries of a full evaluation's block of logits (32 MiB)
 
@@ -62,7 +63,7 @@ _SCORE_BUDGET = 1 << 22  # float64 entries of a full evaluation's block of logit
 class DualOutcome:
     certified: bool = False
     witness: np.ndarray | None = None
-    lower: float = -np.inf  # best computed margin of any iterate's witness
+    lower: float = -np.inf  # best margin of any iterate's witness (a lower bound of its exact one)
     upper: float = np.inf  # smallest phi reached: no point of the ball leads by more
     support: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     support_weights: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -266,7 +267,9 @@ def _run_batch(head: EngineHead, norm, ids: np.ndarray, start: np.ndarray, itera
             tolerance = (head.fast_error_factor * ((head.row_norm[kf] + head.max_row_norm) * reach
                                                    + bias[kf].abs() + head.max_abs_bias) + head.underflow_floor)
             certified[f] = proves_positive(margin, tolerance)
-            best_lower[live[f]] = torch.maximum(best_lower[live[f]], margin)
+            # a lower bound of the exact margin at z (derived rows add their error)
+            lower = proven_lower(margin, tolerance + derived_error(head, kf, torch.full_like(margin, reach)))
+            best_lower[live[f]] = torch.maximum(best_lower[live[f]], lower)
             first = working.members.numel()
             if working.add(everything.topk(leaders, dim=1).indices.flatten()):
                 grown = working.members.numel() - first

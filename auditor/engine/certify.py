@@ -2,7 +2,8 @@
 
 A witness z for token k is accepted when the computed margin
 min_{i != k} (l_k(z) - l_i(z)) stays positive after the worst rounding
-(rounding.py) and z lies in the domain. Convex weights alpha for token k are
+(rounding.py) and z lies in the domain; the margin it reports is the computed one less that
+rounding bound (rounding.proven_lower), a lower bound of the exact margin at z. Convex weights alpha for token k are
 accepted when the residual ``||sum alpha_i w_i - w_k||`` and the bias gap
 ``b_k - sum alpha_i b_i`` (unbounded domain), or the dual value
 ``s_D(w_k - sum alpha_i w_i) + b_k - sum alpha_i b_i`` (bounded domain), are at
@@ -21,14 +22,14 @@ import torch
 from auditor.domain import Domain
 from auditor.engine.decisions import on_the_simplex
 from auditor.engine.head import EngineHead
-from auditor.engine.rounding import gamma, proves_positive, safe_norm
+from auditor.engine.rounding import UNIT_ROUNDOFF, gamma, proven_lower, proves_positive, safe_norm
 
 _COLUMN_BUDGET = 1 << 23  # float64 entries of one B x n logit block (64 MiB)
 
 
 @dataclass
 class WitnessCheck:
-    margin: np.ndarray  # computed min_{i != k} (l_k(z) - l_i(z)) per witness
+    margin: np.ndarray  # a lower bound of the exact min_{i != k} (l_k(z) - l_i(z)) per witness (rounding.proven_lower)
     certified: np.ndarray  # bool: positive beyond rounding and inside the domain
     runner_up: np.ndarray  # the i attaining that minimum
 
@@ -77,7 +78,7 @@ def _check_block(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor, exa
         logits += head.row_mask[None, :]
     own = logits[rows, k].clone()
     logits[rows, k] = -torch.inf
-    norm_z = safe_norm(witnesses, dim=1)
+    norm_z = safe_norm(witnesses, dim=1) * (1 + gamma(head.d + 8))  # at least ||z||
     if exact_bound:
         error = _abs_products(head, witnesses.abs())  # B x n: |w_i| . |z|
         if head.bias is not None:
@@ -89,15 +90,16 @@ def _check_block(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor, exa
             error += head.bias_error[None, :]
         own_error = error[rows, k].clone()
         best, runner_up = (logits + error).max(dim=1)  # the rival's logit at its most favourable rounding
-        margin = own - (best - error[rows, runner_up])
+        # every rival's exact logit is at most best plus the rounding of that sum, 2 u |best|
+        tolerance = own_error + 2 * UNIT_ROUNDOFF * best.abs()
         certified = proves_positive(own - best, own_error + head.witness_lead(k, norm_z))
     else:
         best, runner_up = logits.max(dim=1)
-        margin = own - best
         own_bias = head.bias[k].abs() if head.bias is not None else 0.0
         tolerance = (head.error_factor * ((head.row_norm[k] + head.max_row_norm) * norm_z + own_bias
                                           + head.max_abs_bias) + head.underflow_floor + derived_error(head, k, norm_z))
-        certified = proves_positive(margin, tolerance + head.witness_lead(k, norm_z))
+        certified = proves_positive(own - best, tolerance + head.witness_lead(k, norm_z))
+    margin = proven_lower(own - best, tolerance)  # the margin stated: at most the exact one at z
     certified = certified & inside_domain(head.domain, witnesses)
     return WitnessCheck(margin.cpu().numpy(), certified.cpu().numpy(), runner_up.cpu().numpy())
 

@@ -21,7 +21,7 @@ class Decisions:
     """Per-token verdicts and certificates, indexed by token id (length n arrays)."""
 
     verdict: np.ndarray  # int8 codes, VERDICT_NAMES
-    margin: np.ndarray  # float64, nan where it does not apply
+    margin: np.ndarray  # float64 lower bound of the witness's exact margin, nan where it does not apply
     runner_up: np.ndarray  # int64, -1 where unknown
     stage: np.ndarray  # int8 index into STAGES
     witness_shift: np.ndarray  # witness = scale * (w_k - shift * centre) unless explicit
@@ -48,7 +48,8 @@ def undecided(representative: np.ndarray, centre: np.ndarray, tolerances: dict[s
 
 
 def set_witness(out: Decisions, k: int, witness: np.ndarray, margin: float, runner_up: int, stage: str) -> None:
-    """Token k is argmaxable: ``witness`` is a point where it wins by ``margin`` over ``runner_up``."""
+    """Token k is argmaxable: ``witness`` is a point where it wins by at least ``margin`` (a proven lower bound
+    of its exact lead there, per unit of ||z|| for an unbounded head without a bias) over ``runner_up``."""
     out.verdict[k] = ARGMAXABLE
     out.explicit_witness[k] = witness
     out.margin[k] = margin

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from auditor.engine.head import EngineHead
-from auditor.engine.rounding import proves_positive, safe_norm
+from auditor.engine.certify import derived_error
+from auditor.engine.rounding import gamma, per_unit_norm, proven_lower, proves_positive, safe_norm
 
 _ALPHA_BUDGET = 1 << 22  # float64 entries of the dense active-set block (32 MiB; scores take as much again)
 
@@ -42,7 +43,7 @@ _ALPHA_BUDGET = 1 << 22  # float64 entries of the dense active-set block (32 MiB
 class FrankWolfeOutcome:
     certified: bool = False
     witness: np.ndarray | None = None
-    margin: float = -np.inf  # best computed unit-ball margin of any iterate
+    margin: float = -np.inf  # best unit-ball margin of any iterate (a lower bound of its exact one)
     runner_up: int = -1
     support: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     support_weights: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -96,7 +97,9 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
         margin = own - fw_score
         tolerance = head.fast_error_factor * (head.row_norm[k] + head.max_row_norm) * norm_z + head.underflow_floor
         certified = proves_positive(margin, tolerance)
-        unit_margin = torch.where(norm_z > 0, margin / norm_z, torch.full_like(margin, -torch.inf))
+        # a lower bound of the exact unit-ball margin of this iterate (derived rows add their error)
+        lower = proven_lower(margin, tolerance + derived_error(head, k, norm_z * (1 + gamma(head.d + 8))))
+        unit_margin = torch.where(norm_z > 0, per_unit_norm(lower, norm_z, head.d), torch.full_like(margin, -torch.inf))
         best_margin[live] = torch.maximum(best_margin[live], unit_margin)
         for j in torch.nonzero(certified).flatten().tolist():
             slot = int(live[j])

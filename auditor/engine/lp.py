@@ -35,6 +35,7 @@ import torch
 from auditor._io import quiet_stdout
 from auditor.engine.certify import EXACT_GAP_ROWS, check_convex, check_witnesses
 from auditor.engine.head import EngineHead
+from auditor.engine.rounding import per_unit_norm, safe_norm
 
 
 @dataclass
@@ -196,10 +197,10 @@ def _try_witness(head: EngineHead, k: int, z: np.ndarray, outcome: LpOutcome) ->
         z = z / np.abs(z).max()  # a direction of unit peak: tiny directions would underflow in the products
     witness = _witness_from(head, k, z)
     check = check_witnesses(head, np.array([k]), torch.as_tensor(witness[None, :], device=head.device), exact_bound=True)
-    margin = float(check.margin[0])
-    if head.bias is None and not head.domain.bounded:
-        norm = float(np.linalg.norm(witness))
-        margin = margin / norm if norm > 0 else -math.inf
+    margin = float(check.margin[0])  # a lower bound of the exact margin at the witness
+    if head.bias is None and not head.domain.bounded:  # per unit of ||z||, rounded down
+        norm = float(safe_norm(torch.as_tensor(witness)[None, :], dim=1)[0])
+        margin = per_unit_norm(margin, norm, head.d) if norm > 0 else -math.inf
     if margin > outcome.margin or check.certified[0]:
         outcome.margin, outcome.runner_up, outcome.witness = margin, int(check.runner_up[0]), witness
     if check.certified[0]:

@@ -45,7 +45,7 @@ from auditor.engine.head import EngineHead, build_engine_head, storage_dtype
 from auditor.engine.interior import interior_certificates
 from auditor.engine.lp import lp_decide_all
 from auditor.engine.normal_form import normal_form, times_power_of_two, to_given_units
-from auditor.engine.rounding import safe_norm
+from auditor.engine.rounding import per_unit_norm, safe_norm
 from auditor.engine.screen import screen, whitened_witnesses
 from auditor.engine.settle import settle_dual, settle_frank_wolfe, sparsify
 from auditor.engine.ties import duplicate_groups
@@ -190,7 +190,7 @@ def _screen(head: EngineHead, out: Decisions, todo: np.ndarray, progress: bool) 
         sizes = safe_norm(witnesses, dim=1).cpu().numpy()
         for j, row in enumerate(tried.tolist()):
             if check.certified[j]:  # the unbounded head without a bias quotes its margin on the unit ball
-                margin = check.margin[j] if head.domain.bounded else check.margin[j] / sizes[j]
+                margin = check.margin[j] if head.domain.bounded else per_unit_norm(check.margin[j], sizes[j], head.d)
                 set_witness(out, int(left[row]), witnesses[j].cpu().numpy(), float(margin), int(check.runner_up[j]),
                             "screen")
         keep = out.verdict[left] == UNDECIDED

@@ -11,6 +11,7 @@ to cover the rounding of the bound's own arithmetic and of storing the witness.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -79,6 +80,46 @@ def proves_positive(margin, tolerance, unit: float = UNIT_ROUNDOFF):
     Works on floats and on tensors alike.
     """
     return margin * (1.0 - unit) > tolerance
+
+
+def proven_lower(margin, tolerance, unit: float = UNIT_ROUNDOFF):
+    """A float64 number at most the exact difference whose computed value is ``margin``: the margin a
+    witness states. ``margin`` and ``tolerance`` are as for proves_positive: the exact difference is at
+    least margin - unit |margin| / (1 - unit) - tolerance, and this evaluates
+    margin - 2 unit |margin| - tolerance, less 4 u (|margin| + tolerance) + 4 eta for its own float64
+    rounding (two subtractions, each within u of its result, and an underflow at most eta each).
+    Works on floats, numpy arrays and tensors alike."""
+    size = abs(margin) + tolerance
+    return (margin - 2 * unit * abs(margin) - tolerance) - 4 * UNIT_ROUNDOFF * size - 4 * SMALLEST_SUBNORMAL
+
+
+def per_unit_norm(lead, norm_z, d: int):
+    """``lead`` / ||z|| rounded down, for a lead that is a lower bound at z and ``norm_z`` a computed
+    float64 norm of the d-vector z (safe_norm: within gamma_{d+4} of ||z||): the unit-ball margin a witness
+    of an unbounded head without a bias states. The divisor is taken on the side of ||z|| that makes the
+    quotient smaller (above it for a positive lead, below for a negative one), and the one rounding of
+    the division is undone by stepping to the next float64 below. Floats, numpy arrays or tensors."""
+    relative = gamma(d + 8)
+    if isinstance(lead, torch.Tensor):
+        norm_z = torch.as_tensor(norm_z, dtype=torch.float64, device=lead.device)
+        size = torch.where(lead > 0, norm_z * (1 + relative), norm_z * (1 - relative))
+        quotient = lead / size
+        return torch.nextafter(quotient, torch.full_like(quotient, -torch.inf))
+    lead, norm_z = np.asarray(lead, dtype=np.float64), np.asarray(norm_z, dtype=np.float64)
+    size = np.where(lead > 0, norm_z * (1 + relative), norm_z * (1 - relative))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        quotient = np.nextafter(lead / size, -np.inf)
+    return quotient if quotient.ndim else float(quotient)
+
+
+def rounded_down(x):
+    """The next float64 below ``x`` (a tensor): at most the exact value of one correctly rounded operation."""
+    return torch.nextafter(x, torch.full_like(x, -torch.inf))
+
+
+def rounded_up(x):
+    """The next float64 above ``x`` (a tensor): at least the exact value of one correctly rounded operation."""
+    return torch.nextafter(x, torch.full_like(x, torch.inf))
 
 
 class ieee_float32_products:

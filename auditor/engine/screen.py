@@ -15,7 +15,9 @@ product W W_K^T and the vector W c:
 
 The pass is itself the check of these witnesses: the margin it computes is
 compared with the rigorous rounding bound of rounding.py, which already
-allows for the extra operations and for storing z.
+allows for the extra operations and for storing z, and the margin it reports
+is the computed one less that bound (rounding.proven_lower): a lower bound of
+the exact margin at z, as every stage reports.
 
 A float32 head (any float16, bfloat16 or float32 head: the storage is then
 exact) is screened in float32 arithmetic, the floor's own precision, with the
@@ -37,8 +39,8 @@ from auditor.engine import low_precision
 from auditor.engine.certify import WitnessCheck, check_witnesses_sharpened, derived_error, inside_domain
 from auditor.engine.head import EngineHead
 from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, float32_towards_zero,
-                                     ieee_float32_products,
-                                     logit_error_factor, proves_positive, safe_norm, underflow_floor)
+                                     gamma, ieee_float32_products, logit_error_factor, per_unit_norm, proven_lower,
+                                     proves_positive, rounded_down, rounded_up, safe_norm, underflow_floor)
 
 _BLOCK_BUDGET = 1 << 24  # entries per chunk x n block (64 MiB in float32); two blocks live at once with a bias
 _SHIFTS = (0.0, 1.0)
@@ -67,6 +69,7 @@ def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
         return _screen(head, ids, progress)
     centred = low_precision.centred_rows(head)
     won, margin, scale, runner_up = low_precision.bfloat16_pass(head, ids, progress, centred)
+    margin = _exact_rows_margin(head, ids, won, margin, scale)
     result = _screen(head, ids[~won], progress)
     merged = ScreenResult(certified=won.copy(), margin=margin, shift=np.where(won, 1.0, 0.0), scale=scale,
                           runner_up=runner_up, threat=np.full(count, -1, dtype=np.int64),
@@ -75,6 +78,42 @@ def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
     for name in ("certified", "margin", "shift", "scale", "runner_up", "threat", "close_shift", "close_scale"):
         getattr(merged, name)[~won] = getattr(result, name)
     return merged
+
+
+def _exact_rows_margin(head: EngineHead, ids: np.ndarray, won: np.ndarray, margin: np.ndarray,
+                       scale: np.ndarray) -> np.ndarray:
+    """The bfloat16 pass's margins as lower bounds for the exact rows: its lower bound holds for the rows
+    as stored, which derived rows (the norm domain's reduced head, translated rows) miss by their error
+    bounds (certify.derived_error); on the unit ball per unit of ||z||, and that division rounded down."""
+    margin = margin.copy()
+    at = np.nonzero(won)[0]
+    if not at.size:
+        return margin
+    k = torch.as_tensor(ids[at], device=head.device)
+    lower = torch.as_tensor(margin[at], device=head.device)
+    directions = head.rows64(k) - head.witness_centre
+    # The pass bounds the margin at the exact point s (w_k - c); the witness stated is that point as float64
+    # computes it, fl(s fl(w_k - c)), within (2u + u^2) ||z|| of it, which moves each logit gap by at most
+    # that times ||w_k|| + ||w_i||
+    stored = 2.01 * UNIT_ROUNDOFF * (head.row_norm[k] + head.max_row_norm)
+    if head.domain.bounded:
+        norm_z = (torch.as_tensor(scale[at], device=head.device) * safe_norm(directions, dim=1)
+                  * (1 + gamma(head.d + 10)))
+        lower = _less_derived_error(head, k, rounded_down(lower - rounded_up(stored * norm_z)), norm_z)
+    else:  # per unit of ||z||: derived_error(norm_z) / norm_z, and the pass's division by its bound on ||z||
+        lower = rounded_down(rounded_down(lower) - rounded_up(stored))
+        if head.row_error is not None:
+            lower = rounded_down(lower - rounded_up(head.row_error[k] + head.max_row_error))
+    margin[at] = lower.cpu().numpy()
+    return margin
+
+
+def _less_derived_error(head: EngineHead, k: torch.Tensor, lower: torch.Tensor, norm_z: torch.Tensor) -> torch.Tensor:
+    """A lower bound at z of norm at most ``norm_z`` for the rows as stored, made one for the exact rows: less
+    certify.derived_error (taken 2^-40 above its few roundings), the subtraction rounded down."""
+    if head.row_error is None and head.bias_error is None:
+        return lower
+    return rounded_down(lower - derived_error(head, k, norm_z) * (1 + 2.0**-40))
 
 
 def _screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
@@ -122,9 +161,10 @@ def _recheck_close_calls(head: EngineHead, ids: np.ndarray, result: ScreenResult
         witnesses = scale[:, None] * (rows - shift[:, None] * head.witness_centre)
         check = check_witnesses_sharpened(head, ids[part], witnesses)
         won = part[check.certified]
-        margin = check.margin[check.certified]
+        margin = check.margin[check.certified]  # a lower bound at z (certify.check_witnesses)
         if head.bias is None and not head.domain.bounded:  # the unit-ball margin, as the pass reports it
-            margin = margin / safe_norm(witnesses[torch.as_tensor(check.certified)], dim=1).cpu().numpy()
+            margin = per_unit_norm(margin, safe_norm(witnesses[torch.as_tensor(check.certified)], dim=1).cpu().numpy(),
+                                   head.d)
         result.certified[won] = True
         result.margin[won] = margin
         result.shift[won] = result.close_shift[won]
@@ -148,7 +188,7 @@ class _Arithmetic:
             self.copy_error = torch.empty(head.n, dtype=torch.float64, device=head.device)
             for s in range(0, head.n, 2048):
                 self.copy_error[s:s + 2048] = torch.linalg.vector_norm(
-                    head.weight[s:s + 2048] - self.weight[s:s + 2048].to(torch.float64), dim=1) * (1 + 2.0**-40)
+                    head.weight[s:s + 2048] - self.weight[s:s + 2048].to(torch.float64), dim=1) * (1 + gamma(head.d + 2))
             self.max_copy_error = float(self.copy_error.max())
         if self.dtype == torch.float32:
             self.unit = UNIT_ROUNDOFF_32
@@ -246,25 +286,31 @@ def _screen_chunk(head: EngineHead, arithmetic: _Arithmetic, ids: np.ndarray, re
             margin = (own - rival).to(torch.float64)
             # ||z|| <= s (||w_k|| + t ||c||): the size the rounding bound needs.
             size = (scale if head.bias is not None else 1.0) * (norm_k + t * centre_norm)
-            tolerance = (arithmetic.error_factor * ((norm_k + head.max_row_norm) * size + head.max_abs_bias)
-                         + arithmetic.underflow_floor + 2 * arithmetic.bias_error
-                         + 2 * t * arithmetic.centre_error * (scale if head.bias is not None else 1.0))
+            error = (arithmetic.error_factor * ((norm_k + head.max_row_norm) * size + head.max_abs_bias)
+                     + arithmetic.underflow_floor + 2 * arithmetic.bias_error
+                     + 2 * t * arithmetic.centre_error * (scale if head.bias is not None else 1.0))
             if own_bias is not None:
-                tolerance = tolerance + arithmetic.error_factor * head.bias[k].abs()
-            tolerance = tolerance + derived_error(head, k, size * torch.ones_like(norm_k))
-            # and the lead the verdict rule asks of a witness (EngineHead.witness_lead), at ||z|| rounded up
-            tolerance = tolerance + head.witness_lead(k, norm_z * (scale if head.bias is not None else 1.0)
-                                                      * (1 + 2.0**-20))
+                error = error + arithmetic.error_factor * head.bias[k].abs()
+            error = error + derived_error(head, k, size * torch.ones_like(norm_k))
             if arithmetic.copy_error is not None:  # the products were of the float32 copy's rows
                 e_k = arithmetic.copy_error[k]
-                tolerance = tolerance + 2 * (scale if head.bias is not None else 1.0) * (
+                error = error + 2 * (scale if head.bias is not None else 1.0) * (
                     arithmetic.max_copy_error * (norm_k + e_k) + head.max_row_norm * e_k)
+            # and the lead the verdict rule asks of a witness (EngineHead.witness_lead), at ||z|| rounded up;
+            # without a bias the margin is the direction's, and the lead at z = s d is s times it
+            lead = head.witness_lead(k, norm_z * (scale if head.bias is not None else 1.0) * (1 + 2.0**-20))
+            if head.bias is None and head.domain.bounded:
+                lead = lead / scale * (1 + 2.0**-50)
+            tolerance = error + lead
             certified = (proves_positive(margin, tolerance, unit) & torch.isfinite(own).to(torch.bool)
                          & inside_domain(head.domain, directions * scale[:, None]))
-            if head.bias is None:
-                reported = margin * scale if head.domain.bounded else margin / norm_z
+            # the margin stated: the computed one less its rounding bound, a lower bound of the exact one
+            lower = proven_lower(margin, error, unit)
+            if head.bias is None:  # the margin was computed at the direction; z is s times it
+                reported = (rounded_down(lower * scale) if head.domain.bounded
+                            else per_unit_norm(lower, safe_norm(directions, dim=1), head.d))
             else:
-                reported = margin
+                reported = lower
             quality = torch.where(certified, reported, torch.full_like(reported, -torch.inf))
             better = quality > best_quality
             best_quality = torch.where(better, quality, best_quality)
@@ -335,6 +381,13 @@ def _whitened_in_bfloat16(head: EngineHead, ids: np.ndarray, directions: torch.T
     chosen = np.sort(np.concatenate([np.nonzero(won)[0], close]))
     if not chosen.size:
         return chosen, directions[:0], None
+    at = np.nonzero(won)[0]  # their lower bounds are for the rows as stored: derived rows add their error
+    if at.size:
+        where = torch.as_tensor(at, device=head.device)
+        margin = margin.copy()
+        margin[at] = _less_derived_error(head, torch.as_tensor(ids[at], device=head.device),
+                                         torch.as_tensor(margin[at], device=head.device),
+                                         safe_norm(directions[where], dim=1) * (1 + gamma(head.d + 10))).cpu().numpy()
     check = WitnessCheck(margin=margin[chosen], certified=won[chosen].copy(), runner_up=runner_up[chosen])
     if close.size:
         again = check_witnesses_sharpened(head, ids[close], directions[torch.as_tensor(close, device=head.device)])

@@ -20,6 +20,7 @@ from auditor.engine.certify import check_convex, check_witnesses, check_witnesse
 from auditor.engine.decisions import STAGES, UNDECIDED, Decisions, set_convex, set_witness
 from auditor.engine.head import EngineHead
 from auditor.engine.lp import polish
+from auditor.engine.rounding import per_unit_norm, safe_norm
 
 def settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:
     """Accept Frank-Wolfe witnesses in their final form, and its weights where w_k is inside."""
@@ -29,11 +30,13 @@ def settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outcom
         if head.domain.bounded:  # without a bias any positive multiple wins: move it into the domain
             witnesses = np.stack([w * head.domain.largest_scale(w) for w in witnesses])
         check = check_witnesses(head, ids[won], torch.as_tensor(witnesses, device=head.device))
+        # check.margin bounds the lead at z from below; unbounded, it is stated per unit of ||z||
+        margins = check.margin if head.domain.bounded else per_unit_norm(
+            check.margin, safe_norm(torch.as_tensor(witnesses), dim=1).numpy(), head.d)
         for row, j in enumerate(won):
             k = int(ids[j])
             if check.certified[row]:
-                margin = outcomes[j].margin if not head.domain.bounded else float(check.margin[row])
-                set_witness(out, k, witnesses[row], margin, int(check.runner_up[row]), "frank-wolfe")
+                set_witness(out, k, witnesses[row], float(margins[row]), int(check.runner_up[row]), "frank-wolfe")
     for j, outcome in enumerate(outcomes):
         k = int(ids[j])
         if out.verdict[k] != UNDECIDED:

@@ -4,7 +4,9 @@ Nothing here reuses the engine: plain float64 numpy on the caller's weights.
 
 - Every verdict must carry its certificate: a witness for argmaxable tokens,
   convex weights for unargmaxable ones, the group's certificate for a tied
-  token whose group was decided.
+  token whose group was decided. A tie is checked pair by pair (equal rows and
+  biases, exactly); a token that names itself among its copies, or as its
+  runner_up, fails.
 - A witness z of token k passes when, for every row i outside k's tie group,
   fl(l_k) - fl(l_i) exceeds the rounding bound gamma_{d+2} (|w_i|.|z| + |b_i|)
   of both logits, plus an underflow term, and z lies in the domain. A rival that this bound cannot
@@ -22,7 +24,12 @@ Nothing here reuses the engine: plain float64 numpy on the caller's weights.
   non-zero distances from it: the rows' spread, which no common offset changes.
 - Every number the file states beside a certificate is re-derived (numbers.py):
   a margin, residual, bias gap, dual bound or probability bound that claims
-  more than the weights give fails, with the field named.
+  more than the weights give fails, with the field named. A margin is a lower
+  bound of the exact least lead at its witness (per unit of ||z|| for an
+  unbounded head without a bias; in the norm domain at the exact output of the
+  pre-norm vector): it fails when it is above the checker's float64 upper bound
+  of that lead, with only the checker's own rounding allowed for, or below it
+  but above a rival's exact lead in rational arithmetic.
 
 The head is first rescaled by an exact power of two (logits scale with it, so
 every sign is unchanged) to keep norms and products away from overflow.
@@ -45,7 +52,7 @@ from auditor.certificates import Certificates, parse_certificates
 from auditor.domain import Ball, Unbounded
 from auditor.errors import InputError
 from auditor.verify.arithmetic import ETA, U, dual_at_most_exactly, exactly, gamma, safe_norm
-from auditor.verify.numbers import Reach, convex_claims, margin_limit, probability_claims
+from auditor.verify.numbers import convex_claims, lead_threshold, margin_claim, normalise, probability_claims
 
 if TYPE_CHECKING:  # the checker uses no engine code; a report is only read through its certificates
     from auditor.report import AuditReport
@@ -56,7 +63,8 @@ class Verification:
     """``checked`` certificates re-checked (a tie claim, a witness, convex weights each count one), for
     ``tokens`` distinct tokens and ``groups`` distinct tie groups; ``failed`` the sorted ids whose certificate
     or stated numbers do not hold, ``reasons[k]`` what failed for each, starting with the field's name
-    (tie, missing certificate, witness, convex weights, margin, residual, bias_gap, max_probability, bounds)."""
+    (tie, missing certificate, witness, convex weights, margin, runner_up, residual, bias_gap, max_probability,
+    bounds)."""
 
     checked: int = 0
     failed: list[int] = field(default_factory=list)
@@ -74,14 +82,16 @@ class Verification:
 
 
 def _power_of_two(W: np.ndarray, b: np.ndarray) -> float:
+    """2^e that brings the largest entry of the head into [1/2, 1), when that scaling is exact; else 1 (a
+    bias of -1.8e308 masking a token would push the rows below float64's normal range and round them, and
+    the wins checked would be those of other rows). Unscaled, what overflows fails, never passes."""
     peak = max(float(np.abs(W).max(initial=0.0)), float(np.abs(b).max(initial=0.0)))
-    return 1.0 if peak == 0 else math.ldexp(1.0, -math.frexp(peak)[1])
-
-
-def _normalise(x: np.ndarray, kind: str, gain: np.ndarray, shift: np.ndarray, eps: float) -> np.ndarray:
-    if kind == "layernorm":
-        x = x - x.mean()
-    return gain * x / math.sqrt(float(x @ x) / x.shape[0] + eps) + shift
+    if peak == 0:
+        return 1.0
+    scale = math.ldexp(1.0, -math.frexp(peak)[1])
+    with np.errstate(over="ignore", under="ignore"):
+        exact = all(np.array_equal(x * scale / scale, x) for x in (W, b))
+    return scale if exact else 1.0
 
 
 def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_norm=None,
@@ -115,7 +125,7 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
         norm = (final_norm.kind, gain, shift, float(final_norm.eps))
     scale = _power_of_two(W, b)
     given = W, b  # probabilities, unlike signs, change with the head's scale
-    W, b = W * scale, b * scale  # exact: the largest entry lands in [0.5, 1), far from underflow for real heads
+    W, b = W * scale, b * scale  # exact (checked): the largest entry lands in [0.5, 1) where it can
     n, d = W.shape
     result = Verification()
     tokens = [report.tokens[k] for k in range(n)]
@@ -125,7 +135,9 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
     for k, others in group.items():  # a tie is itself a claim: equal logits wherever the domain reaches
         result.checked += 1
         checked.add(k)
-        untied = [j for j in sorted(others) if not _tied(W, b, k, j, norm)]
+        if k in others:  # a token is trivially "tied" with itself: that claims nothing and hides no copy
+            result.fail(k, f"tie: lists token {k} itself as its copy")
+        untied = [j for j in sorted(others - {k}) if not _tied(W, b, k, j, norm)]
         if untied:
             result.fail(k, f"tie: not the same logits as {', '.join(map(str, untied))}")
 
@@ -148,24 +160,32 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
             result.checked += 1
             checked.add(token.id)
             result.fail(token.id, "missing certificate: no convex weights")
+        rival = token.runner_up
+        if rival is not None and (rival == token.id or rival in group.get(token.id, ())):
+            what = "the token itself" if rival == token.id else "a copy of it"
+            result.fail(token.id, f"runner_up: names token {rival}, {what}, which is not a rival")
         lower, upper = token.bounds if token.bounds is not None else (-math.inf, math.inf)
         if lower > upper:  # the two bounds of an inconclusive token cannot both hold (weak duality)
             result.fail(token.id, f"bounds: margin_lower {lower:.6g} is above margin_upper {upper:.6g}")
 
     with_witness = [t.id for t in tokens if point(t) is not None]
     abs_W = np.abs(W)
-    reach = Reach(W, b, norm, float32=True)
     # an unbounded head without a (non-constant) bias quotes its margins on the unit ball
     unit_ball = str(report.domain) == "unbounded" and not np.any(b != b[0])
+    if norm is not None:  # what the rows make of the normalisation's error (numbers.normalise)
+        gained = safe_norm(W * norm[1], axis=1) * (1 + gamma(d + 8))  # >= ||g * w_i||
+        spans = abs_W.sum(axis=1) * (1 + gamma(d + 2))  # >= ||w_i||_1
     for start in range(0, len(with_witness), chunk):
         ks = np.array(with_witness[start:start + chunk])
         if norm is not None:  # the model's own output for the stated hidden state, not the report's z
-            Z = np.stack([_normalise(tokens[int(k)].pre_norm, *norm) for k in ks])
+            outputs = [normalise(tokens[int(k)].pre_norm, *norm) for k in ks]
+            Z = np.stack([z for z, _, _ in outputs])
         else:
             Z = np.stack([tokens[int(k)].witness for k in ks])
         rows = np.arange(len(ks))
         logits = Z @ W.T + b[None, :]
-        bound = gamma(d + 2) * (np.abs(Z) @ abs_W.T + np.abs(b)[None, :]) * (1 + gamma(d + 2)) + 4 * (d + 4) * ETA
+        mass = np.abs(Z) @ abs_W.T + np.abs(b)[None, :]  # |w_i|.|z| + |b_i|
+        bound = gamma(d + 2) * mass * (1 + gamma(d + 2)) + 4 * (d + 4) * ETA
         diff = logits[rows, ks][:, None] - logits
         tolerance = bound[rows, ks][:, None] + bound + U * np.abs(diff)
         wins = diff > tolerance
@@ -175,13 +195,25 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
                 wins[j, other] = True
             if norm is None and not wins[j].all():  # a close call: the exactly normalised pairs decide
                 wins[j] = _wins_by_differences(*given, k, Z[j], wins[j])
-        # an upper bound on the exact lead of k at z over every rival
+        # bounds on the exact lead of k over every rival at z (the norm domain: at the exact output of the
+        # pre-norm vector, which the checker's z misses by its normalisation error), each sum rounded outwards
         rivals = np.ones_like(wins)
         rivals[rows, ks] = False
         for j, k in enumerate(ks.tolist()):
             rivals[j, list(group.get(k, ()))] = False
+        reach = tolerance
+        if norm is not None:
+            error = np.array([e for _, e, _ in outputs])[:, None]
+            floor = np.array([f for _, _, f in outputs])[:, None]
+            reach = (tolerance + error * (gained[ks][:, None] + gained[None, :])
+                     + 3 * U * (mass[rows, ks][:, None] + mass) + floor * (spans[ks][:, None] + spans[None, :]))
         with np.errstate(invalid="ignore", over="ignore"):
-            leads = np.where(rivals, diff + tolerance, np.inf).min(axis=1, initial=np.inf)
+            most = np.nextafter(np.where(rivals, diff + reach, np.inf).min(axis=1, initial=np.inf), np.inf)
+            close = np.zeros_like(rivals)  # the rivals whose leads float64 does not show to reach the margin
+            if norm is None:  # where z is the point itself, they are looked at again
+                margins = np.array([tokens[k].margin if tokens[k].margin is not None else math.nan for k in ks])
+                close = rivals & (np.nextafter(diff - reach, -np.inf)
+                                  < lead_threshold(margins * scale, safe_norm(Z, axis=1), unit_ball, d)[:, None])
         for j, k in enumerate(ks.tolist()):
             result.checked += 1
             checked.add(k)
@@ -194,12 +226,11 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
                 rival = int(np.argmin(np.where(wins[j], np.inf, diff[j] - tolerance[j])))
                 result.fail(k, f"witness: does not beat token {rival} beyond rounding")
             stated = tokens[k].margin
-            if stated is not None and math.isfinite(leads[j]) and not math.isnan(stated):
-                most = margin_limit(leads[j] + reach.allowance(Z[j]), float(safe_norm(Z[j])), unit_ball,
-                                    reach.relative)
-                if stated * scale > most:
-                    result.fail(k, f"margin: states {stated:.6g}, more than its witness gives "
-                                   f"(at most {most / scale:.6g})")
+            if stated is not None and not math.isnan(stated):
+                reason = margin_claim(stated, scale, k, Z[j], float(most[j]), np.flatnonzero(close[j]), W, b,
+                                      unit_ball, norm is None)
+                if reason is not None:
+                    result.fail(k, reason)
 
     tol = report.tolerances["residual_tol"]
     # the last entry: whether the rows are the head's own, whose dual value may be settled exactly

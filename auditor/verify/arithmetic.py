@@ -10,7 +10,6 @@ from auditor.domain import Ball
 
 U = float(np.finfo(np.float64).eps) / 2  # 2^-53: the unit roundoff of p = 53 significant bits is 2^-p
 ETA = float(np.finfo(np.float64).smallest_subnormal)  # 2^-1074
-U32 = float(np.finfo(np.float32).eps) / 2  # 2^-24
 
 
 def gamma(n: int, unit: float = U) -> float:

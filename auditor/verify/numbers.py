@@ -3,28 +3,32 @@ weights' residual (a dual bound in a bounded domain) and bias gap, and the proba
 
 Each number is a one-sided claim. A margin, a ceiling's lower bound: at least that much is reached; a
 residual, a bias gap, a ceiling's upper bound: no more than that. A claim fails when the checker's own
-bound on the exact value contradicts it, beyond the rounding of both computations (the audit's own,
-float32 for a float32 head, is allowed for); rational arithmetic settles what float64 cannot tell.
+bound on the exact value contradicts it, beyond the checker's float64 rounding; rational arithmetic
+settles what float64 cannot tell. A margin is the audit's proven lower bound at its witness, so the
+checker allows for none of the audit's own rounding: only for its own.
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 
 from auditor.domain import Ball, Unbounded
-from auditor.verify.arithmetic import ETA, U, U32, dual_at_most_exactly, exactly, gamma, safe_norm
+from auditor.verify.arithmetic import ETA, U, dual_at_most_exactly, exactly, gamma, safe_norm
+
+EXACT_RIVALS = 64  # most rivals per witness whose lead is compared with a stated margin in rational arithmetic
 
 
 class Reach:
-    """How far the audit's own value of a logit difference at z may be from exact: float32 rounding (the
-    precision it computes margins in for a float32 head), a translation of the rows by their median, and
-    (norm domain) the normalisation of the hidden state; the checker's own rounding is bounded apart."""
+    """How far the audit's value of a logit difference at a stated probability point may be from the
+    checker's: a translation of the rows by their median, and (norm domain) the rounding of the stated
+    output of the norm; the checker's own rounding is bounded apart."""
 
-    def __init__(self, W: np.ndarray, b: np.ndarray, norm, float32: bool):
+    def __init__(self, W: np.ndarray, b: np.ndarray, norm):
         d = W.shape[1]
-        self.relative = 2 * gamma(d + 8, U32) if float32 else 2 * gamma(d + 8)
+        self.relative = 2 * gamma(d + 8)
         self.factor = 4 * self.relative + 16 * (d + 8) * U + (1e-11 if norm is not None else 0.0)
         self.rows = float(safe_norm(W, axis=1).max(initial=0.0)) + float(safe_norm(np.abs(W).max(axis=0)))
         self.bias = 2 * float(np.abs(b).max(initial=0.0))
@@ -34,14 +38,120 @@ class Reach:
         return self.factor * (self.rows * float(safe_norm(z)) + self.bias) + self.floor
 
 
-def margin_limit(lead: float, size: float, unit_ball: bool, relative: float) -> float:
-    """The largest margin a witness of norm ``size`` and exact lead at most ``lead`` may state; on the
-    unit ball the lead is divided by ||z||, which the audit may have computed ``relative`` off (float32)."""
+def normalise(x: np.ndarray, kind: str, gain: np.ndarray, shift: np.ndarray, eps: float
+              ) -> tuple[np.ndarray, float, float]:
+    """(z, e, f): the norm's output z for the pre-norm vector x as the checker computes it in float64, and
+    bounds that make the exact output z* of x within reach: z_j - z*_j = g_j e_j + r_j + a_j with
+    ||e|| <= e, |r_j| <= 2 u |z_j| and |a_j| <= f (underflow), so that a logit difference moves by at most
+    e ||g * (w_k - w_i)|| + 2 u |w_k - w_i|.|z| + f ||w_k - w_i||_1.
+
+    LayerNorm: c = x - m (m the mean), r(c) = sqrt(c.c / d + eps), z* = g c / r(c) + beta. The checker's
+    mean is within gamma_d mean|x| of m (a sum of d terms and a division), so its c' = fl(x - m') has
+    ||c' - c|| <= D = sqrt(d) gamma_d mean|x| + 2 u ||c'||; RMSNorm takes c = x, D = 0. Its root is
+    within gamma_{d+3} of r(c') (the squares' sum, a division, eps and the square root), so
+    fl(fl(g_j c'_j) / root) = g_j (c'_j / r(c')) (1 + t_j), |t_j| <= gamma_{d+6}, and adding beta_j
+    rounds once more (the r_j above). The map c -> c / r(c) has Jacobian (I - c c^T / (d r^2)) / r, of
+    norm at most 1 / r, and ||c / r(c)|| < sqrt(d); on the segment from c to c', r is at least
+    R = max(sqrt(eps), r(c') - D / sqrt(d)) (r is 1/sqrt(d)-Lipschitz). So
+    ||e|| <= gamma_{d+6} sqrt(d) + D / R. Each entry's underflow (products, the division and the sum
+    each within eta / 2) gives f = 2 eta (1 + 1 / R)."""
+    d = x.shape[0]
+    if kind == "layernorm":
+        mean_error = gamma(d + 2) * float(np.abs(x).sum()) / d + d * ETA
+        x = x - x.mean()
+        offset = math.sqrt(d) * mean_error * (1 + 4 * U) + 2 * U * float(safe_norm(x)) * (1 + gamma(d + 8))
+    else:
+        offset = 0.0
+    root = math.sqrt(float(x @ x) / d + eps)
+    z = gain * x / root + shift
+    least = max(math.sqrt(eps) * (1 - 4 * U), root / (1 + gamma(d + 4)) - offset / math.sqrt(d) * (1 + 4 * U))
+    if not least > 0:
+        return z, math.inf, math.inf
+    error = (gamma(d + 6) * math.sqrt(d) + offset / least) * (1 + 8 * U)
+    return z, error, 2 * ETA * (1 + 1 / least) * (1 + 8 * U)
+
+
+def margin_limit(lead, size: float, unit_ball: bool, d: int, upward: bool = True):
+    """A bound on the margin a lead gives: the lead itself, or on the unit ball lead / ||z|| for a witness
+    whose norm the checker computed as ``size`` (safe_norm: within gamma_{d+4} of ||z||). ``upward``: ``lead``
+    bounds the exact lead from above and so does the result (the divisor on the side of ||z|| that makes
+    the quotient larger, the division rounded up); else both bound it from below. Numbers or arrays."""
     if not unit_ball:
         return lead
+    relative = gamma(d + 8)
+    lead = np.asarray(lead, dtype=np.float64)
+    larger = (lead > 0) != upward  # where the larger divisor puts the quotient on the wanted side
+    divisor = np.where(larger, size * (1 + relative), size * (1 - relative))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        quotient = np.nextafter(lead / divisor, math.inf if upward else -math.inf)
     if size == 0:
-        return math.inf
-    return lead / (size * (1 - relative)) if lead > 0 else lead / (size * (1 + relative))
+        quotient = np.full_like(lead, math.inf if upward else -math.inf)
+    return quotient if quotient.ndim else float(quotient)
+
+
+def lead_threshold(claims: np.ndarray, sizes: np.ndarray, unit_ball: bool, d: int) -> np.ndarray:
+    """For each stated margin (times the head's scale), a lead at least as large as the one it claims at its
+    witness: the margin itself, or on the unit ball the margin times ||z|| (``sizes`` the computed norms),
+    taken on the large side of ||z|| and raised past the rounding of the products."""
+    if not unit_ball:
+        return claims
+    relative = gamma(d + 8)
+    with np.errstate(over="ignore", invalid="ignore"):
+        product = np.where(claims >= 0, claims * (sizes * (1 + relative)), claims * (sizes * (1 - relative)))
+        return product + 4 * U * np.abs(product) + ETA
+
+
+def margin_claim(stated: float, scale: float, k: int, z: np.ndarray, most: float, close: np.ndarray,
+                 W: np.ndarray, b: np.ndarray, unit_ball: bool, exact: bool) -> str | None:
+    """Why token k's stated margin is more than its witness z gives, or None when it is not.
+
+    The margin is the least lead l_k - l_i over the rivals (on the unit ball divided by ||z||), so the claim
+    fails when one rival's exact lead is below it. ``most`` bounds the least exact lead at z from above on
+    the head ``W``, ``b`` (``scale`` times the head as given); ``close`` lists the rivals whose leads' lower
+    bounds do not show them to reach the claim (lead_threshold). ``exact``: z is the point itself (not the
+    norm domain's computed output), so that the leads of those rivals may be formed again: from the
+    differences w_k - w_i and b_k - b_i (an offset the rows share adds no error), within
+    gamma_{d+3} (|w_k - w_i|.|z| + |b_k - b_i|), and for up to EXACT_RIVALS of them in rational arithmetic."""
+    d = z.shape[0]
+    claim = stated * scale
+    size = float(safe_norm(z))
+    most = margin_limit(most, size, unit_ball, d)
+    if claim > most:
+        return f"margin: states {stated:.6g}, more than its witness gives (at most {most / scale:.6g})"
+    if not (exact and close.size and math.isfinite(claim)):
+        return None
+    differences, bias_differences = W[k] - W[close], b[k] - b[close]
+    lead = differences @ z + bias_differences
+    error = (gamma(d + 3) * (np.abs(differences) @ np.abs(z) + np.abs(bias_differences)) * (1 + gamma(d + 3))
+             + 4 * (d + 4) * ETA)
+    with np.errstate(over="ignore", invalid="ignore"):
+        most = margin_limit(float(np.nextafter(lead + error, math.inf).min()), size, unit_ball, d)
+        least = margin_limit(np.nextafter(lead - error, -math.inf), size, unit_ball, d, upward=False)
+    if claim > most:
+        return f"margin: states {stated:.6g}, more than its witness gives (at most {most / scale:.6g})"
+    order = np.argsort(least, kind="stable")  # the rivals that lead least first
+    close = close[order[least[order] < claim]][:EXACT_RIVALS]
+    if not close.size:
+        return None
+    point = [Fraction(float(v)) for v in z]
+    own = [Fraction(float(v)) for v in W[k]]
+    square = sum(p * p for p in point) if unit_ball else None
+    bound = Fraction(stated) * Fraction(scale)
+    for i in close.tolist():
+        value = sum((a - Fraction(float(v))) * p for a, v, p in zip(own, W[i], point) if p)
+        if _below(value + Fraction(float(b[k])) - Fraction(float(b[i])), bound, square):
+            return (f"margin: states {stated:.6g}, more than its witness gives (its lead over token {i} is less, "
+                    "in exact rational arithmetic)")
+    return None
+
+
+def _below(lead: Fraction, claim: Fraction, square: Fraction | None) -> bool:
+    """Whether lead < claim, or on the unit ball lead < claim ||z|| with square = ||z||^2, exactly."""
+    if square is None:
+        return lead < claim
+    if claim >= 0:
+        return lead < 0 or lead * lead < claim * claim * square
+    return lead < 0 and lead * lead > claim * claim * square
 
 
 def convex_claims(domain, W, b, row_error, bias_error, exact: bool, token, scale: float) -> list[str]:
@@ -117,7 +227,7 @@ def probability_claims(tokens, domain, W: np.ndarray, b: np.ndarray, norm, chunk
     if not listed:
         return []
     n, d = W.shape
-    reach = Reach(W, b, norm, float32=False)
+    reach = Reach(W, b, norm)
     abs_W = np.abs(W)
     found = []
     for start in range(0, len(listed), chunk):
