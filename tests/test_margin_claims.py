@@ -347,3 +347,31 @@ def test_a_runner_up_that_names_the_token_itself_fails(rng):
     entry["runner_up"] = entry["id"]
     result = auditor.verify(document, W)
     assert result.failed == [entry["id"]] and result.reasons[entry["id"]][0].startswith("runner_up: ")
+
+
+def test_the_checker_states_no_bound_where_the_norm_s_sum_of_squares_overflows():
+    """A pre-norm vector whose squares overflow float64 has no computed output to hold a margin to: the checker's
+    normalisation says so (an infinite error bound) instead of returning the shift as the output."""
+    from auditor.verify.numbers import normalise
+
+    for kind in ("layernorm", "rmsnorm"):
+        _, error, floor = normalise(np.array([1e200, -3e200]), kind, np.ones(2), np.array([0.5, -0.25]), 1e-5)
+        assert error == np.inf and floor == np.inf
+        z, error, _ = normalise(np.array([1.0, -3.0]), kind, np.ones(2), np.array([0.5, -0.25]), 1e-5)
+        assert np.isfinite(error) and error < 1e-12 and abs(z[0] - 0.5) > 0.1
+
+
+def test_the_translation_s_rounding_bound_moves_with_a_power_of_two_scaling():
+    """The translated rows' error bound is a scaled norm: errors below 2^-511 do not square to 0, so a head and
+    the head times 2^-600 get the same bound times 2^-600."""
+    import torch
+
+    from auditor.engine.normal_form import normal_form
+    from auditor.domain import Unbounded
+
+    W = np.array([[0.0, 1.0], [2.0**-60, 0.5], [1 + 2.0**-52, 0.25]])
+    forms = [normal_form(torch.from_numpy(W * factor), None, Unbounded(), torch.ones(3, dtype=torch.bool))
+             for factor in (1.0, 2.0**-600)]
+    assert forms[0].row_error is not None and forms[1].row_error is not None
+    assert torch.equal(forms[0].weight, forms[1].weight)
+    assert torch.equal(forms[0].row_error, forms[1].row_error)

@@ -42,6 +42,7 @@ from auditor._arrays import row_blocks
 from auditor.domain import Domain
 from auditor.engine.decisions import ARGMAXABLE, INCONCLUSIVE, Decisions
 from auditor.engine.head import EngineHead, median_row
+from auditor.engine.rounding import gamma, safe_norm
 from auditor.errors import InputError
 
 _OFFSET_RATIO = 64.0  # translate when the median row is this many typical spreads from the origin
@@ -203,9 +204,9 @@ def _translated(weight: torch.Tensor, centre: torch.Tensor, widen: bool
     bound = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
     for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
         wide[s:e], error = _two_difference(rows, centre)
-        bound[s:e] = torch.linalg.vector_norm(error, dim=1)
+        bound[s:e] = safe_norm(error, dim=1)  # scaled first: errors below 2^-511 must not square to 0
     if bool(bound.any()):
-        return wide, bound * (1 + 2.0**-40)  # and the norm's own rounding, a few units of 2^-53
+        return wide, bound * (1 + gamma(weight.shape[1] + 4))  # and the norm's own rounding
     return wide, None
 
 

@@ -187,8 +187,8 @@ class _Arithmetic:
         if self.dtype == torch.float32 and head.weight.dtype == torch.float64:
             self.copy_error = torch.empty(head.n, dtype=torch.float64, device=head.device)
             for s in range(0, head.n, 2048):
-                self.copy_error[s:s + 2048] = torch.linalg.vector_norm(
-                    head.weight[s:s + 2048] - self.weight[s:s + 2048].to(torch.float64), dim=1) * (1 + gamma(head.d + 2))
+                self.copy_error[s:s + 2048] = safe_norm(
+                    head.weight[s:s + 2048] - self.weight[s:s + 2048].to(torch.float64), dim=1) * (1 + gamma(head.d + 4))
             self.max_copy_error = float(self.copy_error.max())
         if self.dtype == torch.float32:
             self.unit = UNIT_ROUNDOFF_32

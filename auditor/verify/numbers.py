@@ -62,7 +62,12 @@ def normalise(x: np.ndarray, kind: str, gain: np.ndarray, shift: np.ndarray, eps
         offset = math.sqrt(d) * mean_error * (1 + 4 * U) + 2 * U * float(safe_norm(x)) * (1 + gamma(d + 8))
     else:
         offset = 0.0
-    root = math.sqrt(float(x @ x) / d + eps)
+    with np.errstate(over="ignore", invalid="ignore"):
+        squares = float(x @ x)
+    if not (np.all(np.isfinite(x)) and math.isfinite(squares) and (squares == 0 or squares >= np.finfo(np.float64).tiny)):
+        # the sum of squares overflowed or left the normal range: no bound holds, and nothing passes on it
+        return gain * x + shift, math.inf, math.inf
+    root = math.sqrt(squares / d + eps)
     z = gain * x / root + shift
     least = max(math.sqrt(eps) * (1 - 4 * U), root / (1 + gamma(d + 4)) - offset / math.sqrt(d) * (1 + 4 * U))
     if not least > 0:

@@ -109,7 +109,7 @@ class Float32Certifier:
     evaluation), or in float64 where its own allowance takes most of the gap.
 
     The lower bound is p_k(z) with F_k raised by the logits' errors weighted by the computed softmax
-    (Jensen); where token k's computed lead exceeds its own and the largest rival's error, z is a
+    (times expm1(E)/E, E the largest: exp's chord); where token k's computed lead exceeds its own and the largest rival's error, z is a
     witness that k is the strict argmax; the upper bound is Gibbs' inequality at the computed softmax.
     The derivations and every allowance: docs/method.md, "Probability ceilings", float32."""
 
@@ -200,8 +200,8 @@ class Float32Certifier:
             own_part = self.logit_factor * (scale.norms[k[need]] * size[need] + own_bias)
             widest = self.logit_factor * (scale.max_norm * size[need] + scale.max_bias)  # E
             mean_part = self.logit_factor * (norm_mass * size[need] + scale.max_bias)  # >= sum q~_i e_i
-            chord = torch.where(widest > 0, torch.expm1(widest) / widest.clamp(min=2.0**-1000),
-                                torch.ones_like(widest)) * (1 + 2.0**-48)  # and the rounding of all this
+            chord = torch.clamp(torch.where(widest > 0, torch.expm1(widest) / widest.clamp(min=2.0**-1000),
+                                            torch.ones_like(widest)), min=1.0) * (1 + 2.0**-48)  # and its rounding
             sharper = probability_below(value[need] + (own_part + mean_part * chord) * (1 + 2.0**-48) + rest[need])
             lower[need] = torch.maximum(lower[need], sharper)
             floor[need] = (probability(value[need]) - lower[need]) + (upper[need] - probability(bound))
