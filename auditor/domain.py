@@ -24,7 +24,7 @@ from auditor.errors import InputError
 # A witness scaled onto the boundary of a domain could land a rounding error
 # outside it; this keeps it strictly inside.
 _INSIDE = 1.0 - 1e-12
-_UNIT_ROUNDOFF = 2.0**-53
+_UNIT_ROUNDOFF = float(np.finfo(np.float64).eps) / 2  # 2^-53
 
 
 def _vector_norms(rows):

@@ -37,7 +37,8 @@ KINDS = ("layernorm", "rmsnorm")
 # and the norm divides it by sqrt(var + eps) again, each a few d roundings of unit 2^-53 (at most
 # 8 (d + 8) of them in all), plus the 1e-12 pull inside the sphere. The engine adds this times
 # ||w_i|| to each reduced row's error bound, so that its float64 check of y proves the win at x.
-OUTPUT_ERROR_PER_DIMENSION = 8 * 2.0**-53
+_U = float(np.finfo(np.float64).eps) / 2  # float64's unit roundoff, 2^-53
+OUTPUT_ERROR_PER_DIMENSION = 8 * _U
 
 
 @dataclass
@@ -91,7 +92,7 @@ def reduce_head(weight: torch.Tensor, bias: torch.Tensor | None, norm: FinalNorm
         else torch.zeros(d, dtype=torch.float64, device=device)
     if norm.kind == "rmsnorm" and bool(shift.any()):
         raise InputError("an RMSNorm has no bias; use kind='layernorm' for a norm with one")
-    u = 2.0**-53
+    u = _U
     scaled = weight * gain
     if norm.kind == "layernorm":
         reduced = scaled - scaled.mean(dim=1, keepdim=True)
@@ -172,7 +173,7 @@ def exact_ties(weight: torch.Tensor, bias: torch.Tensor | None, reduced: Reduced
     spread = (reduced.weight.abs() @ direction[:d].abs() + reduced.bias.abs() * direction[d].abs())
     # each key within this of the exact rows' key: the derived rows' error, and the projection's own rounding
     slack = (reduced.row_error * float(torch.linalg.vector_norm(direction[:d])) + reduced.bias_error * abs(float(direction[d]))
-             + 2 * (d + 2) * 2.0**-53 * spread) * 2 + 1e-300
+             + 2 * (d + 2) * _U * spread) * 2 + 1e-300
     keys, slack = keys.cpu().numpy(), slack.cpu().numpy()
     order = np.argsort(keys, kind="stable")
     representative = np.arange(n, dtype=np.int64)

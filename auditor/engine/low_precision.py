@@ -266,7 +266,7 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None, rows: Centre
             else:
                 slack = s_k * (phi * reach * size[k] + underflow_allowance(d, reach, size[k]))
             # and the rounding of this float64 arithmetic itself (a few operations on these magnitudes)
-            lower = lead - top - slack - 8 * 2.0**-53 * (lead.abs() + top.abs() + slack)
+            lower = lead - top - slack - 8 * UNIT_ROUNDOFF * (lead.abs() + top.abs() + slack)
             norm_z = s_k * safe_norm(directions, dim=1) * (1 + 2.0**-20)  # >= ||z||, z = s y_k
             needed = _recheck_needs(head, k, norm_z)
             won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top) & valid
@@ -315,7 +315,7 @@ def bfloat16_witnesses(head: EngineHead, ids: np.ndarray, witnesses: torch.Tenso
     allowance = (product_error_factor(d) * rows.reach * norm_z + underflow_allowance(d, rows.reach, norm_z)
                  + gamma(d + 2) * norm_z * rows.size[k])
     # and the rounding of this float64 arithmetic itself
-    lower = lead - allowance - 8 * 2.0**-53 * (own.abs() + top.abs() + allowance)
+    lower = lead - allowance - 8 * UNIT_ROUNDOFF * (own.abs() + top.abs() + allowance)
     needed = _recheck_needs(head, k, norm_z)
     won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top)
     if head.domain.bounded:

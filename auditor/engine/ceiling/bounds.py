@@ -16,7 +16,7 @@ import torch
 from auditor.engine.ceiling.objective import (Buffers, dual, evaluate, probability, probability_above,
                                               probability_below)
 from auditor.engine.head import robust_row_norms
-from auditor.engine.rounding import UNIT_ROUNDOFF_32, gamma, ieee_float32_products, safe_norm
+from auditor.engine.rounding import SMALLEST_NORMAL_32, UNIT_ROUNDOFF_32, gamma, ieee_float32_products, safe_norm
 
 FLOAT32_REACH = 0.7  # tokens whose float32 allowance alone takes more of the gap go on in float64
 _CHUNK = 256  # rivals per float32 sum: gamma_260 ~ 1.5e-5
@@ -133,8 +133,8 @@ class Float32Certifier:
         self.shift_factor = 3 * UNIT_ROUNDOFF_32  # y_i = fl(l_i - top): u |l_i - top| <= 2 u (max |l|)
         self.sum_factor = gamma(_CHUNK + 4, UNIT_ROUNDOFF_32)  # a float32 sum of _CHUNK terms, and its products
         self.exp_error = -math.log1p(-_EXP_ROUNDING_32)
-        self.underflow = n * 2.0**-126  # exponentials below float32's normal range, all together
-        self.subnormal = 2 * math.sqrt(d) * 2.0**-126
+        self.underflow = n * SMALLEST_NORMAL_32  # exponentials below float32's normal range, all together
+        self.subnormal = 2 * math.sqrt(d) * SMALLEST_NORMAL_32
 
     def _blocked_sum(self, x: torch.Tensor) -> torch.Tensor:
         # float32 sums of _CHUNK terms added up in float64: summing float32 straight into float64 is much slower

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from auditor.domain import Domain
+from auditor.engine.rounding import UNIT_ROUNDOFF
 
 
 def dual(domain: Domain, value: torch.Tensor, gradient: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -75,7 +76,7 @@ def probability(value: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(-value)
 
 
-_SIGMOID_ROUNDING = 8 * 2.0**-53  # the sigmoid's own relative error, allowed for generously
+_SIGMOID_ROUNDING = 8 * UNIT_ROUNDOFF  # the sigmoid's own relative error, allowed for generously
 
 
 def probability_below(value: torch.Tensor) -> torch.Tensor:
