@@ -91,14 +91,14 @@ def _exact_rows_margin(head: EngineHead, ids: np.ndarray, won: np.ndarray, margi
         return margin
     k = torch.as_tensor(ids[at], device=head.device)
     lower = torch.as_tensor(margin[at], device=head.device)
-    directions = head.rows64(k) - head.witness_centre
     # The pass bounds the margin at the exact point s (w_k - c); the witness stated is that point as float64
     # computes it, fl(s fl(w_k - c)), within (2u + u^2) ||z|| of it, which moves each logit gap by at most
     # that times ||w_k|| + ||w_i||
     stored = 2.01 * UNIT_ROUNDOFF * (head.row_norm[k] + head.max_row_norm)
-    if head.domain.bounded:
-        norm_z = (torch.as_tensor(scale[at], device=head.device) * safe_norm(directions, dim=1)
-                  * (1 + gamma(head.d + 10)))
+    if head.domain.bounded:  # ||s (w_k - c)||, by blocks of tokens: no float64 copy of the rows proved
+        norm_z = torch.cat([safe_norm(head.rows64(k[j:j + 2048]) - head.witness_centre, dim=1)
+                            for j in range(0, k.numel(), 2048)])
+        norm_z = torch.as_tensor(scale[at], device=head.device) * norm_z * (1 + gamma(head.d + 10))
         lower = _less_derived_error(head, k, rounded_down(lower - rounded_up(stored * norm_z)), norm_z)
     else:  # per unit of ||z||: derived_error(norm_z) / norm_z, and the pass's division by its bound on ||z||
         lower = rounded_down(rounded_down(lower) - rounded_up(stored))
