@@ -267,15 +267,22 @@ def to_given_units(out: Decisions, form: NormalForm, head: EngineHead) -> None:
     normal = ~np.isfinite(out.witness_scale) | (np.isfinite(scaled) & (np.abs(scaled) >= np.finfo(np.float64).tiny))
     if form.translation is not None:
         normal = ~np.isfinite(out.witness_scale)
-    for k in np.nonzero(~normal)[0].tolist():
-        row = head.rows64([k])[0]
-        direction = row - out.witness_shift[k] * head.witness_centre if out.witness_shift[k] else row
-        given = _in_given_units((direction * float(out.witness_scale[k])).cpu().numpy(), a - c)
-        if given is None:
-            unstated.append(k)
-        else:
-            out.explicit_witness[k] = given
-        scaled[k] = np.nan
+    stored = np.nonzero(~normal)[0]
+    for s in range(0, stored.size, _BLOCK_ROWS):  # by blocks of tokens: a translated head states them all
+        ks = stored[s:s + _BLOCK_ROWS]
+        shift = torch.as_tensor(out.witness_shift[ks], device=head.device)[:, None]
+        rows = head.rows64(ks)
+        directions = torch.where(shift != 0, rows - shift * head.witness_centre, rows)
+        points = (directions * torch.as_tensor(out.witness_scale[ks], device=head.device)[:, None]).cpu().numpy()
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+            given = times_power_of_two(points, a - c)
+            exact = np.all(np.isfinite(given), axis=1) & np.all(times_power_of_two(given, c - a) == points, axis=1)
+        for j, k in enumerate(ks.tolist()):
+            if exact[j]:
+                out.explicit_witness[k] = given[j]
+            else:
+                unstated.append(k)
+    scaled[stored] = np.nan
     out.witness_scale = scaled
     out.centre = times_power_of_two(out.centre, -a)
     with np.errstate(over="ignore", invalid="ignore"):  # a formula witness whose entries would overflow
