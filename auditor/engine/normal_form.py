@@ -220,14 +220,13 @@ def _spread(weight: torch.Tensor, competitor: torch.Tensor, p: int, centre: torc
     return float(torch.median(distances[competitor]))
 
 
-def _in_given_units(z: np.ndarray, e: int) -> np.ndarray | None:
-    """z 2^e, or None where the units as given cannot hold it exactly (it overflows, or falls below
-    float64's normal range and is rounded there): that would not be the point that was checked."""
+def _in_given_units(z: np.ndarray, e: int) -> tuple[np.ndarray, np.ndarray]:
+    """(z 2^e, whether each point, a row of z, is held exactly): one that overflows, or falls below
+    float64's normal range and is rounded there, would not be the point that was checked."""
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         given = times_power_of_two(z, e)
-        if np.all(np.isfinite(given)) and np.array_equal(times_power_of_two(given, -e), z):
-            return given
-    return None
+        exact = np.all(np.isfinite(given), axis=-1) & np.all(times_power_of_two(given, -e) == z, axis=-1)
+    return given, exact
 
 
 def _left_open(out: Decisions, k: int) -> None:
@@ -254,11 +253,11 @@ def to_given_units(out: Decisions, form: NormalForm, head: EngineHead) -> None:
         out.margin = np.where(inexact, np.nextafter(given, -np.inf), given)
     unstated = []
     for k in list(out.explicit_witness):
-        given = _in_given_units(out.explicit_witness[k], a - c)
-        if given is None:
-            unstated.append(k)
-        else:
+        given, exact = _in_given_units(out.explicit_witness[k], a - c)
+        if exact:
             out.explicit_witness[k] = given
+        else:
+            unstated.append(k)
     # The formula witness s (w_k - t c) refers to the rows as given: z = 2^(a-c) s 2^a (w_k - t c)
     # takes the scale 2^(2a-c) s. Where that leaves the normal float range, or the rows were
     # translated (the formula's rows are then not the given ones), store the very point checked.
@@ -274,9 +273,7 @@ def to_given_units(out: Decisions, form: NormalForm, head: EngineHead) -> None:
         rows = head.rows64(ks)
         directions = torch.where(shift != 0, rows - shift * head.witness_centre, rows)
         points = (directions * torch.as_tensor(out.witness_scale[ks], device=head.device)[:, None]).cpu().numpy()
-        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-            given = times_power_of_two(points, a - c)
-            exact = np.all(np.isfinite(given), axis=1) & np.all(times_power_of_two(given, c - a) == points, axis=1)
+        given, exact = _in_given_units(points, a - c)
         for j, k in enumerate(ks.tolist()):
             if exact[j]:
                 out.explicit_witness[k] = given[j]
