@@ -3,9 +3,10 @@
 Sources: safetensors (single or sharded by model.safetensors.index.json),
 PyTorch state dicts (.bin/.pt/.pth, single or sharded, weights_only; a training
 checkpoint's state dict found inside its wrappers, nested.py), .npy/.npz,
-and GGUF (the auditor[gguf] extra), each recognised by its contents (formats.py),
-whatever its name. A folder may also hold config.json (whether the head is tied,
-the norm's epsilon; config.py) and tokenizer.json or vocab.txt (token strings).
+GGUF (the auditor[gguf] extra) and ONNX (the auditor[onnx] extra: the head found from the graph,
+onnx_head.py), each recognised by its contents (formats.py), whatever its name. A folder may also
+hold config.json (whether the head is tied, the norm's epsilon; config.py) and tokenizer.json or
+vocab.txt (token strings).
 A Hub model id is resolved to files in the local cache (hub.py), which are read
 as a folder's are.
 """
@@ -24,6 +25,7 @@ from auditor.loader.config import read_config
 from auditor.loader.formats import DESCRIPTIONS, WEIGHT_FILES, foreign_format, identify
 from auditor.loader.hub_id import is_hub_id, parse_hub_id
 from auditor.loader.naming import choose_head
+from auditor.loader.onnx_head import OnnxStore
 from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore, read_index
 from auditor.loader.tokens import read_token_strings
 
@@ -35,6 +37,7 @@ _OPENERS = {
     "npy": lambda path: NumpyStore(path, archive=False),
     "npz": lambda path: NumpyStore(path, archive=True),
     "gguf": GGUFStore,
+    "onnx": OnnxStore,
 }
 
 
@@ -65,17 +68,20 @@ def open_store(path: Path):
         if (path / filename).is_file():
             return _open_file(path / filename)
     singles = sorted(p for p in path.iterdir() if p.suffix.lower() in (".safetensors", ".gguf"))
+    if not singles:  # an ONNX model only where there is no checkpoint it may have been exported from
+        singles = sorted(p for p in path.iterdir() if p.suffix.lower() == ".onnx")
     if len(singles) == 1:
         return _open_file(singles[0])
     _refuse_foreign_folder(path)
     looked = ", ".join(WEIGHT_FILES)
     found = f"; it holds {len(singles)} candidate files" if singles else ""
-    raise InputError(f"{path}: no checkpoint found (looked for {looked}, or a single .safetensors or .gguf file){found}")
+    raise InputError(f"{path}: no checkpoint found (looked for {looked}, or a single .safetensors, .gguf or .onnx "
+                     f"file){found}")
 
 
 def _refuse_foreign_folder(folder: Path) -> None:
     """Say so when a folder with no checkpoint holds another framework's model (a CTranslate2 model.bin,
-    a SavedModel's saved_model.pb, an ONNX file): that is more useful than "no checkpoint found"."""
+    a SavedModel's saved_model.pb): that is more useful than "no checkpoint found"."""
     files = sorted(p for p in folder.iterdir() if p.is_file())
     for path in files[:_FOLDER_SCAN_LIMIT]:
         foreign = foreign_format(path)
@@ -165,6 +171,10 @@ def _read_head(path: Path, weight: str | None, bias: str | None, progress: bool,
     """The head in the checkpoint file or model folder ``path``, read from ``store`` (None: opened here)."""
     store = open_store(path) if store is None else store
     folder = path if path.is_dir() else path.parent
+    if isinstance(store, OnnxStore):  # found from the graph, not by the tensors' names
+        head = store.read_head(path, weight, bias)
+        _name_tokens(head, store, folder)
+        return head
     config = read_config(folder)
     weight, bias = _dotted_names(store, weight, bias, str(path))
     names = choose_head(store.tensors(), weight, bias, config.get("tie_word_embeddings"), str(path))
@@ -190,6 +200,12 @@ def _read_head(path: Path, weight: str | None, bias: str | None, progress: bool,
                                     loaded[names.norm_bias] if names.norm_bias else None, eps,
                                     unit_offset=str(config.get("model_type", "")).startswith("gemma"),
                                     names=tuple(n for n in (names.norm_weight, names.norm_bias) if n))
+    _name_tokens(head, store, folder)
+    return head
+
+
+def _name_tokens(head: Head, store, folder: Path) -> None:
+    """The head's token strings: the GGUF file's own, or the folder's tokenizer."""
     if isinstance(store, GGUFStore):
         tokens = store.metadata("tokenizer.ggml.tokens")
         if isinstance(tokens, list):
@@ -199,4 +215,3 @@ def _read_head(path: Path, weight: str | None, bias: str | None, progress: bool,
     if head.tokens is not None and len(head.tokens) < head.shape[0]:
         head.notes.append(f"rows {len(head.tokens)}..{head.shape[0] - 1} have no token string "
                           f"(the tokenizer has {len(head.tokens)} tokens)")
-    return head

@@ -30,8 +30,6 @@ _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 _GGML_MAGICS = {b"lmgg": "ggml", b"fmgg": "ggmf", b"tjgg": "ggjt", b"algg": "ggla"}
 # CTranslate2 spec names are Python class names, all ending in "Spec" (WhisperSpec, TransformerDecoderSpec, ...).
 _SPEC_NAME = re.compile(rb"[A-Z][A-Za-z0-9_]{0,120}Spec")
-_ONNX_WIRE_TYPES = {2: 2, 3: 2, 4: 2, 5: 0, 6: 2, 7: 2, 8: 2, 14: 2, 20: 2, 25: 2}  # ModelProto field -> wire type
-_ONNX_STRINGS = {2: "producer", 3: "version"}
 
 
 def recognise(head: bytes, size: int) -> Foreign | None:
@@ -96,7 +94,7 @@ def _ctranslate2(head: bytes, size: int) -> Foreign | None:
     return None
 
 
-def _varint(data: bytes, at: int) -> tuple[int, int] | None:
+def varint(data: bytes, at: int) -> tuple[int, int] | None:
     """A protobuf varint at ``at``: (value, the offset after it); None if it runs off the end."""
     value = shift = 0
     while at < len(data) and shift < 64:
@@ -108,54 +106,12 @@ def _varint(data: bytes, at: int) -> tuple[int, int] | None:
     return None
 
 
-def _onnx(head: bytes, size: int) -> Foreign | None:
-    # A ModelProto: field 1 ir_version (3 and up since 2017) first, then its other fields in field
-    # order: producer name and version, domain, model version, doc string, the graph, opsets.
-    if head[:1] != b"\x08":
-        return None
-    first = _varint(head, 1)
-    if first is None or not 3 <= first[0] <= 30:
-        return None
-    at, fields, strings = first[1], 0, {}
-    while at < len(head):
-        tag = _varint(head, at)
-        if tag is None:
-            break
-        number, wire = tag[0] >> 3, tag[0] & 7
-        if _ONNX_WIRE_TYPES.get(number) != wire:
-            return None
-        value = _varint(head, tag[1])
-        if value is None:
-            break
-        fields += 1
-        if wire == 0:
-            at = value[1]
-            continue
-        start, end = value[1], value[1] + value[0]
-        if end > size:
-            return None
-        if number in _ONNX_STRINGS and end <= len(head):
-            try:
-                strings[_ONNX_STRINGS[number]] = head[start:end].decode("utf-8")
-            except UnicodeDecodeError:
-                return None
-        if number >= 7:  # the graph: everything after it is the model itself
-            break
-        at = end
-    if fields == 0:
-        return None
-    producer = " ".join(strings[key] for key in ("producer", "version") if strings.get(key))
-    return Foreign("an ONNX model" + (f" (exported by {producer})" if producer else ""),
-                   "audit the checkpoint it was exported from, or save the head's initializer "
-                   "(onnx.numpy_helper.to_array) with numpy.save and audit the .npy")
-
-
 def _saved_model(head: bytes, size: int) -> Foreign | None:
     # saved_model.pb: field 1 schema version 1, then field 2, a MetaGraphDef that fills the file
     # and begins with its meta_info_def (field 1).
     if not head.startswith(b"\x08\x01\x12"):
         return None
-    length = _varint(head, 3)
+    length = varint(head, 3)
     if length is None or length[1] + length[0] > size or head[length[1]:length[1] + 1] != b"\x0a":
         return None
     return Foreign("a TensorFlow SavedModel", _KERAS)
@@ -191,4 +147,4 @@ def _flax_msgpack(head: bytes, size: int) -> Foreign | None:
 
 
 _RECOGNISERS: tuple[Callable[[bytes, int], Foreign | None], ...] = (
-    _hdf5, _tflite, _ggml, _ctranslate2, _saved_model, _onnx, _flax_msgpack)
+    _hdf5, _tflite, _ggml, _ctranslate2, _saved_model, _flax_msgpack)

@@ -1,4 +1,5 @@
-"""What a checkpoint file is, from its first bytes; its name is only a hint for the message.
+"""What a checkpoint file is, from its first bytes; its name is only a hint for the message (and the last
+resort for an ONNX model, whose protobuf fields may come in any order).
 
 Names lie: a safetensors file saved as model.bin, a CTranslate2 model.bin, a Git
 LFS pointer named model.safetensors. Handing such a file to the reader its name
@@ -15,27 +16,28 @@ import zipfile
 from pathlib import Path
 
 from auditor.errors import InputError
-from auditor.loader.foreign import Foreign, keras_archive, recognise, torchscript
+from auditor.loader.foreign import Foreign, keras_archive, recognise, torchscript, varint
 
 SNIFF_BYTES = 1024
 # the checkpoint of a model folder (local or on the Hub), in the order they are looked for
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
                 "pytorch_model.bin")
 # The formats the stores read: safetensors, a torch.save zip, a pickle (a legacy torch.save, read with
-# weights_only), numpy's .npy and .npz, GGUF, and a shard index (JSON with a weight_map).
+# weights_only), numpy's .npy and .npz, GGUF, an ONNX model, and a shard index (JSON with a weight_map).
 DESCRIPTIONS = {"safetensors": "a safetensors file", "torch-zip": "a PyTorch checkpoint (zip)",
                 "pickle": "a pickle (a legacy PyTorch checkpoint, or any other)", "npy": "an .npy array",
-                "npz": "an .npz archive", "gguf": "a GGUF file", "index": "a shard index"}
+                "npz": "an .npz archive", "gguf": "a GGUF file", "onnx": "an ONNX model", "index": "a shard index"}
 READABLE = tuple(DESCRIPTIONS)
 
 _MAX_SAFETENSORS_HEADER = 100_000_000  # the limit the safetensors library itself enforces
 _MAX_INDEX_BYTES = 64 << 20
 _ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")  # a local file header; an empty archive's end record
 _PICKLE_PROTOCOLS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # torch.save's legacy format uses 2
-_EXPECTED = "expected safetensors, a torch .bin/.pt, .npy/.npz or .gguf"
+_EXPECTED = "expected safetensors, a torch .bin/.pt, .npy/.npz, .gguf or .onnx"
 _NAMED_LIKE = {".safetensors": "a safetensors file", ".gguf": "a GGUF file", ".npy": "an .npy file",
                ".npz": "an .npz archive", ".pt": "a PyTorch checkpoint", ".pth": "a PyTorch checkpoint",
                ".ckpt": "a PyTorch checkpoint"}
+_ONNX_WIRE_TYPES = {2: 2, 3: 2, 4: 2, 5: 0, 6: 2, 7: 2, 8: 2, 14: 2, 20: 2, 25: 2}  # ModelProto field -> wire type
 
 
 def identify(path: Path) -> str:
@@ -56,7 +58,7 @@ def foreign_format(path: Path) -> Foreign | None:
     (a checkpoint, text, an unreadable file). For telling people what a folder holds instead."""
     try:
         head, size = _first_bytes(path)
-        if size == 0 or _readable_magic(path, head, size) or _as_text(head) is not None:
+        if size == 0 or _readable_magic(path, head, size) or _as_text(head) is not None or _is_onnx(head, size):
             return None
         kind = _zip_kind(path) if head[:4] in _ZIP_MAGICS else recognise(head, size)
     except InputError:
@@ -83,9 +85,13 @@ def _kind(path: Path, head: bytes, size: int) -> str | Foreign:
     text = _as_text(head)  # before the foreign formats: text never starts with their binary magics
     if text is not None:
         return _text_kind(path, text, size)
+    if _is_onnx(head, size):
+        return "onnx"
     foreign = recognise(head, size)
     if foreign is not None:
         return foreign
+    if path.suffix.lower() == ".onnx":  # a ModelProto may list its fields in any order: onnx itself decides
+        return "onnx"
     hint = _NAMED_LIKE.get(path.suffix.lower())
     named = f"; its name says {hint}, but it does not begin like one (damaged, or a partial download?)" if hint else ""
     raise InputError(f"{path}: not a recognised checkpoint format ({_EXPECTED}){named}")
@@ -102,6 +108,43 @@ def _readable_magic(path: Path, head: bytes, size: int) -> str | None:
     if head[:2] in _PICKLE_PROTOCOLS:
         return "pickle"
     return None
+
+
+def _is_onnx(head: bytes, size: int) -> bool:
+    """A ModelProto as exporters write it: field 1 ir_version (3 and up since 2017) first, then its other
+    fields in field order: producer name and version, domain, model version, doc string, the graph, opsets."""
+    if head[:1] != b"\x08":
+        return False
+    first = varint(head, 1)
+    if first is None or not 3 <= first[0] <= 30:
+        return False
+    at, fields = first[1], 0
+    while at < len(head):
+        tag = varint(head, at)
+        if tag is None:
+            break
+        number, wire = tag[0] >> 3, tag[0] & 7
+        if _ONNX_WIRE_TYPES.get(number) != wire:
+            return False
+        value = varint(head, tag[1])
+        if value is None:
+            break
+        fields += 1
+        if wire == 0:
+            at = value[1]
+            continue
+        end = value[1] + value[0]
+        if end > size:
+            return False
+        if number in (2, 3, 4, 6) and end <= len(head):  # producer, its version, domain, doc string: UTF-8
+            try:
+                head[value[1]:end].decode("utf-8")
+            except UnicodeDecodeError:
+                return False
+        if number >= 7:  # the graph: everything after it is the model itself
+            break
+        at = end
+    return fields > 0
 
 
 def _is_safetensors(path: Path, head: bytes, size: int) -> bool:

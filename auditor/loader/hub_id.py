@@ -12,7 +12,8 @@ _NAME = r"[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
 _ID = re.compile(rf"(?P<repo>{_NAME}/{_NAME})(?:@(?P<revision>\S+))?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 # A missing "dir/head.safetensors" is a mistyped path, not a repository: report it as one.
-_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy", ".npz", ".gguf", ".json", ".git")
+_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy", ".npz", ".gguf", ".onnx", ".json",
+                 ".git")
 
 
 def is_hub_id(text) -> bool:
