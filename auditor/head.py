@@ -31,6 +31,8 @@ class Head:
     source_format: str = "array"
     notes: list[str] = field(default_factory=list)
     factor: Any = None
+    vocab_file: Path | None = None  # the --vocab file the token strings came from, and its offset
+    vocab_offset: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -355,3 +355,53 @@ def test_each_summary_on_the_page_carries_its_next_step():
     page = unescape(small_page())
     for kind in ("copy", "hull"):
         assert f'<p class="next">Next: {NEXT_STEPS[kind]}</p>' in page
+
+
+# -- character lists: CJK token strings ------------------------------------------------------------
+
+CJK = ["一", "二", "三", "四", "五"]
+
+
+def cjk_folder(tmp_path) -> tuple[Path, Path]:
+    """A 6-row head whose last row is the mean of the others (id 5, named 五 with --vocab-offset 1)."""
+    from safetensors.numpy import save_file
+
+    rows = np.random.default_rng(7).standard_normal((5, 3))
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    save_file({"lm_head.weight": np.vstack([rows, rows.mean(axis=0)]).astype(np.float32)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "keys.txt").write_text("\n".join(CJK) + "\n", encoding="utf-8")
+    return tmp_path / "model.safetensors", tmp_path / "keys.txt"
+
+
+def test_cjk_token_strings_are_written_as_themselves_in_utf8(tmp_path):
+    pytest.importorskip("matplotlib")
+    import auditor
+    from auditor.formats import html
+    from auditor.gate import run_gate
+    from auditor.loader import load_head
+
+    model, keys = cjk_folder(tmp_path)
+    head = load_head(model, vocab=keys, vocab_offset=1)
+    page = html.render(run_gate(head, auditor.audit(head.weight, head.bias, progress=False)))
+    assert '<meta charset="utf-8">' in page
+    parsed = Elements()
+    parsed.feed(page)
+    assert "'五'" in "".join(parsed.text)  # the finding's token, as itself
+    assert "<code>&#x27;五&#x27;</code>" in page  # the character itself in the UTF-8 page, no reference
+    words = footer_commands(page)[0]  # the footer's command names the character list again
+    assert words[words.index("--vocab") + 1] == str(keys) and words[words.index("--vocab-offset") + 1] == "1"
+
+
+@pytest.mark.slow
+def test_cjk_token_strings_reach_the_browsers_dom(chromium, tmp_path):
+    pytest.importorskip("matplotlib")
+    model, keys = cjk_folder(tmp_path)
+    page = tmp_path / "cjk.html"
+    done = audit_html(page, model, "--vocab", keys, "--vocab-offset", "1")
+    assert done.returncode == 1, done.stderr
+    browsed = browse(chromium, page, tmp_path, "--dump-dom")
+    assert browsed.returncode == 0, browsed.stderr
+    dom = Dom(browsed.stdout)
+    assert dom.body.get("data-ready") == "1" and set(dom.rows) == {5}
+    assert "'五'" in browsed.stdout  # decoded as UTF-8 by the browser, not as mojibake

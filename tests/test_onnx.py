@@ -320,3 +320,39 @@ def test_audit_verify_rechecks_an_onnx_models_certificates(tmp_path, head_rows, 
     assert verify([str(certificates), str(path)]) == 0, capsys.readouterr()
     assert "all hold" in capsys.readouterr().out
 
+
+def test_paddleocr_character_metadata_names_the_tokens(tmp_path, capsys):
+    """id 0 CTC's blank, ids 1..L the list, the last id the space PaddleOCR appends."""
+    rng = np.random.default_rng(6)
+    weight = rng.standard_normal((6, 3)).astype(np.float32)
+    weight[4] = weight[:4].mean(axis=0)  # the fourth character is never read
+    path = save(tmp_path / "rec.onnx", [helper.make_node("MatMul", ["x", "W"], ["logits"]),
+                                        helper.make_node("Softmax", ["logits"], ["probs"])], [("W", weight.T.copy())],
+                width=3, metadata={"character": "字\n符\n表\n格"})
+    head = load_head(path)
+    assert head.tokens == [None, "字", "符", "表", "格", " "]
+    assert any("blank" in note and "space" in note for note in head.notes)
+    assert main([str(path), "--format", "json", "--quiet", "--fail-on", "none"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["head"]["token_strings"] == "metadata 'character'"
+    assert {f["id"]: f["token"] for f in report["findings"]} == {4: "格"}
+
+
+def test_a_vocab_file_wins_over_the_character_metadata(tmp_path):
+    weight = np.eye(3, dtype=np.float32)
+    path = save(tmp_path / "rec.onnx", [helper.make_node("MatMul", ["x", "W"], ["logits"]),
+                                        helper.make_node("Softmax", ["logits"], ["probs"])], [("W", weight)],
+                width=3, metadata={"character": "a"})
+    (tmp_path / "chars.txt").write_text("x\ny\n", encoding="utf-8")
+    head = load_head(path, vocab=tmp_path / "chars.txt", vocab_offset=1)
+    assert head.tokens == [None, "x", "y"] and head.token_source.endswith("chars.txt")
+    assert not any("metadata" in note for note in head.notes)
+
+
+def test_a_character_list_that_does_not_fit_is_a_note_not_an_error(tmp_path):
+    weight = np.eye(3, dtype=np.float32)
+    path = save(tmp_path / "rec.onnx", [helper.make_node("MatMul", ["x", "W"], ["logits"]),
+                                        helper.make_node("Softmax", ["logits"], ["probs"])], [("W", weight)],
+                width=3, metadata={"character": "a\nb\nc\nd\ne"})
+    head = load_head(path)
+    assert head.tokens is None and any("does not fit" in note for note in head.notes)

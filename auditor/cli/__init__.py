@@ -123,6 +123,17 @@ def positive_int(text: str) -> int:
     return _positive(text, int, "integer")
 
 
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"takes an integer, 0 or more, got {text!r}")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     """argparse type: a positive, finite number of seconds."""
     return _positive(text, float, "number of seconds")

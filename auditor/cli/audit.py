@@ -19,7 +19,8 @@ from auditor.baseline import Baseline
 from auditor.blocks import AuditJob, audit_in_blocks
 from auditor.certificates import certificates_document
 from auditor.cli import (CommandParser, add_head_options, add_norm_unit_offset_option, add_run_options,
-                         checkpoint_final_norm, guarded, positive_int, positive_seconds, shows_progress)
+                         checkpoint_final_norm, guarded, nonnegative_int, positive_int, positive_seconds,
+                         shows_progress)
 from auditor.distributed import DEFAULT_TIMEOUT_S, Launch, run_on_ranks
 from auditor.domain import Norm, parse_domain
 from auditor.errors import EXIT_CLEAN, EXIT_FINDINGS, InputError
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "fetched, the cache first)")
     add_head_options(parser, "the head's weight tensor (default: detected), or A@B for the head A @ B (a name ending "
                              "in .T is transposed): decided exactly on A when B has full row rank")
+    parser.add_argument("--vocab", type=Path, metavar="FILE",
+                        help="token strings, one per line (UTF-8; a character list): line i names id i + "
+                             "--vocab-offset; replaces the tokenizer's, or an ONNX model's character list")
+    parser.add_argument("--vocab-offset", type=nonnegative_int, default=0, metavar="N",
+                        help="the id the --vocab file's first line names (default 0; 1 for PaddleOCR's CTC "
+                             "heads, whose id 0 is the blank)")
     parser.add_argument("--domain", default="unbounded",
                         help="unbounded (default), ball:R, box:R, or norm (the outputs of the checkpoint's final norm)")
     add_norm_unit_offset_option(parser, "the final norm multiplies by 1 + weight (Gemma's convention; detected from "
@@ -176,9 +183,13 @@ def run(args: argparse.Namespace) -> int:
     fail_on = parse_fail_on(args.fail_on)
     allow = AllowList.read(args.allow) if args.allow else None
     baseline = Baseline.read(args.baseline) if args.baseline else None
+    if args.vocab_offset and args.vocab is None:
+        raise InputError("--vocab-offset needs --vocab FILE")
+    if args.vocab is not None and not args.vocab.is_file():
+        raise InputError(f"--vocab {args.vocab}: no such file")
     started = time.perf_counter()
     head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress,
-                     need_norm=domain == Norm())
+                     need_norm=domain == Norm(), vocab=args.vocab, vocab_offset=args.vocab_offset)
     load_seconds = time.perf_counter() - started
     if baseline is not None:
         baseline.check(head, domain, args.ceiling)

@@ -223,6 +223,9 @@ def reproduce_command(result: GateResult, output: Path | None = None, certificat
     domain = str(report.domain)
     unit_offset = domain == "norm" and head.final_norm is not None and head.final_norm.unit_offset
     words = ["audit", path, *tensors]
+    if head.vocab_file is not None:
+        words += ["--vocab", str(head.vocab_file)] + (["--vocab-offset", str(head.vocab_offset)]
+                                                      if head.vocab_offset else [])
     if domain != "unbounded":
         words += ["--domain", domain]
     if unit_offset:

@@ -6,7 +6,7 @@ checkpoint's state dict found inside its wrappers, nested.py), .npy/.npz,
 GGUF (the auditor[gguf] extra) and ONNX (the auditor[onnx] extra: the head found from the graph,
 onnx_head.py), each recognised by its contents (formats.py), whatever its name. A folder may also
 hold config.json (whether the head is tied, the norm's epsilon; config.py) and tokenizer.json or
-vocab.txt (token strings).
+vocab.txt (token strings); a character list given with --vocab names the tokens instead.
 A Hub model id is resolved to files in the local cache (hub.py), which are read
 as a folder's are.
 """
@@ -25,9 +25,9 @@ from auditor.loader.config import read_config
 from auditor.loader.formats import DESCRIPTIONS, WEIGHT_FILES, foreign_format, identify
 from auditor.loader.hub_id import is_hub_id, parse_hub_id
 from auditor.loader.naming import choose_head
-from auditor.loader.onnx_head import OnnxStore
+from auditor.loader.onnx_head import PADDLE_CHARACTERS, OnnxStore, paddle_characters
 from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore, read_index
-from auditor.loader.tokens import read_token_strings
+from auditor.loader.tokens import read_token_strings, read_vocabulary
 
 _FOLDER_SCAN_LIMIT = 200  # files whose first bytes are read when a folder has no checkpoint: stays quick
 _OPENERS = {
@@ -120,7 +120,7 @@ def _flat_bias(bias):
 
 
 def load_head(path, weight: str | None = None, bias: str | None = None, progress: bool = False,
-              need_norm: bool = False, store=None) -> Head:
+              need_norm: bool = False, store=None, vocab: Path | None = None, vocab_offset: int = 0) -> Head:
     """Load a head from a checkpoint file or model folder.
 
     ``weight`` / ``bias`` name the tensors explicitly (``weight="A@B"``: the head
@@ -134,16 +134,20 @@ def load_head(path, weight: str | None = None, bias: str | None = None, progress
     ``path`` may also be a model on the Hugging Face Hub, ``org/name[@revision]`` (loader/hub.py): only the
     files the head needs are fetched, the final norm's too when ``need_norm``; the head's ``path`` is then
     the id pinned to the commit read. ``store`` is a store already opened on ``path``.
+
+    ``vocab`` is a file of token strings, one per line, line i naming id i + ``vocab_offset`` (a character
+    list); it replaces any other source of token strings.
     """
+    vocabulary = (Path(vocab), vocab_offset) if vocab is not None else None
     if store is None and is_hub_id(path):
         repo_id, revision = parse_hub_id(path)
         model = hub.resolve(repo_id, revision, weight=weight, bias=bias, need_norm=need_norm, progress=progress)
-        head = _read_head(model.checkpoint, weight, bias, progress, model.store)
+        head = _read_head(model.checkpoint, weight, bias, progress, model.store, vocabulary)
         head.path = Path(model.label)
         if model.note:
             head.notes.append(model.note)
         return head
-    return _read_head(Path(path), weight, bias, progress, store)
+    return _read_head(Path(path), weight, bias, progress, store, vocabulary)
 
 
 def _dotted_names(store, weight: str | None, bias: str | None, where: str) -> tuple[str | None, str | None]:
@@ -167,13 +171,15 @@ def _dotted_names(store, weight: str | None, bias: str | None, where: str) -> tu
     return weight, bias
 
 
-def _read_head(path: Path, weight: str | None, bias: str | None, progress: bool, store) -> Head:
-    """The head in the checkpoint file or model folder ``path``, read from ``store`` (None: opened here)."""
+def _read_head(path: Path, weight: str | None, bias: str | None, progress: bool, store,
+               vocabulary: tuple[Path, int] | None) -> Head:
+    """The head in the checkpoint file or model folder ``path``, read from ``store`` (None: opened here),
+    named by the strings of ``vocabulary`` (a --vocab file and its offset) when given."""
     store = open_store(path) if store is None else store
     folder = path if path.is_dir() else path.parent
     if isinstance(store, OnnxStore):  # found from the graph, not by the tensors' names
         head = store.read_head(path, weight, bias)
-        _name_tokens(head, store, folder)
+        _name_tokens(head, store, folder, vocabulary)
         return head
     config = read_config(folder)
     weight, bias = _dotted_names(store, weight, bias, str(path))
@@ -200,17 +206,30 @@ def _read_head(path: Path, weight: str | None, bias: str | None, progress: bool,
                                     loaded[names.norm_bias] if names.norm_bias else None, eps,
                                     unit_offset=str(config.get("model_type", "")).startswith("gemma"),
                                     names=tuple(n for n in (names.norm_weight, names.norm_bias) if n))
-    _name_tokens(head, store, folder)
+    _name_tokens(head, store, folder, vocabulary)
     return head
 
 
-def _name_tokens(head: Head, store, folder: Path) -> None:
-    """The head's token strings: the GGUF file's own, or the folder's tokenizer."""
+def _name_tokens(head: Head, store, folder: Path, vocabulary: tuple[Path, int] | None) -> None:
+    """The head's token strings: a --vocab file, else the GGUF file's own, an ONNX model's PaddleOCR
+    character list, or the folder's tokenizer."""
+    if vocabulary is not None:
+        head.tokens, note = read_vocabulary(*vocabulary, head.shape[0])
+        head.token_source = str(vocabulary[0])
+        head.vocab_file, head.vocab_offset = vocabulary
+        head.notes.append(note)
+        return
     if isinstance(store, GGUFStore):
         tokens = store.metadata("tokenizer.ggml.tokens")
         if isinstance(tokens, list):
             head.tokens, head.token_source = tokens, "tokenizer.ggml.tokens"
-    else:
+    elif isinstance(store, OnnxStore) and store.metadata(PADDLE_CHARACTERS) is not None:
+        head.tokens, note = paddle_characters(store.metadata(PADDLE_CHARACTERS), head.shape[0])
+        head.notes.append(note)
+        if head.tokens is not None:
+            head.token_source = f"metadata {PADDLE_CHARACTERS!r}"
+            return
+    if head.tokens is None and not isinstance(store, GGUFStore):
         head.tokens, head.token_source = read_token_strings(folder, head.notes)
     if head.tokens is not None and len(head.tokens) < head.shape[0]:
         head.notes.append(f"rows {len(head.tokens)}..{head.shape[0] - 1} have no token string "

@@ -25,6 +25,7 @@ from auditor.head import Head
 from auditor.loader.stores import TensorInfo
 
 MISSING = "reading ONNX needs the onnx package: pip install 'auditor[onnx]'"
+PADDLE_CHARACTERS = "character"  # PaddleOCR / RapidOCR exports keep their character list under this key
 
 _SCORING = {"Softmax", "LogSoftmax", "ArgMax"}
 # ops a head's output passes through on the way to its scores; the reshaping ones may also move the
@@ -500,3 +501,17 @@ def dequantize(value: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, ax
     # then rounded once to the scale's type, as ONNX computes it in that type
     return (difference.astype(np.float32) * spread(scale).astype(np.float32)).astype(scale.dtype)
 
+
+def paddle_characters(text: str, rows: int) -> tuple[list[str | None] | None, str]:
+    """Token strings from a PaddleOCR character list (the model's metadata ``character``): id 0 is CTC's
+    blank, ids 1.. the list's lines, and the last id the space PaddleOCR appends when use_space_char is
+    set. Returns (strings by id, or None when the list does not fit ``rows``; the note saying so)."""
+    lines = text.splitlines()  # as RapidOCR reads it
+    where = f"the model's metadata {PADDLE_CHARACTERS!r} (PaddleOCR's character list, {len(lines)} lines)"
+    if len(lines) + 2 == rows:
+        return [None, *lines, " "], (f"token strings from {where}: id 0 is CTC's blank, ids 1..{len(lines)} the "
+                                     f"lines, id {rows - 1} the space PaddleOCR appends (use_space_char)")
+    if len(lines) + 1 == rows:
+        return [None, *lines], f"token strings from {where}: id 0 is CTC's blank, ids 1..{len(lines)} the lines"
+    return None, (f"{where} does not fit the head's {rows} rows (a blank, the lines and a space would be "
+                  f"{len(lines) + 2}): no token strings; pass --vocab FILE --vocab-offset N")

@@ -1,8 +1,11 @@
-"""Token strings by id, from tokenizer.json (the auditor[tokens] extra) or vocab.txt."""
+"""Token strings by id, from tokenizer.json (the auditor[tokens] extra) or vocab.txt, or a file given
+with --vocab (a character list: one string per line, from a given id on)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from auditor.errors import InputError
 
 
 def read_token_strings(folder: Path, notes: list[str]) -> tuple[list[str] | None, str | None]:
@@ -35,3 +38,38 @@ def read_token_strings(folder: Path, notes: list[str]) -> tuple[list[str] | None
             lines.pop()
         return lines, str(vocab_txt)
     return None, None
+
+
+def read_vocabulary(path: Path, offset: int, rows: int) -> tuple[list[str | None], str]:
+    """Token strings from a character list or vocabulary file, one string per line (UTF-8, only the line
+    break removed): line i names id i + ``offset``. Returns (strings by id, the note saying so).
+
+    Fewer strings than ids leave the last ids unnamed (PaddleOCR appends a space as its last class when
+    use_space_char is set: a line holding one space names it); more strings than the head has ids, an
+    unreadable file or an empty one is an InputError.
+    """
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as error:
+        raise InputError(f"--vocab {path}: cannot be read ({error.strerror or error})") from None
+    except UnicodeDecodeError as error:
+        raise InputError(f"--vocab {path}: not UTF-8 (byte {error.start})") from None
+    lines = text.removeprefix("\ufeff").split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the last line's break
+    lines = [line.removesuffix("\r") for line in lines]
+    if not lines:
+        raise InputError(f"--vocab {path}: no strings in it")
+    last = offset + len(lines) - 1
+    if last >= rows:
+        raise InputError(f"--vocab {path}: {len(lines)} strings from id {offset} would name ids up to {last}, but the "
+                         f"head has {rows} rows (ids 0..{rows - 1})")
+    note = f"token strings from {path}: line i names id i + {offset} (ids {offset}..{last})"
+    unnamed = [f"0..{offset - 1}" if offset > 1 else "0"] if offset else []
+    if last < rows - 1:
+        unnamed.append(f"{last + 1}..{rows - 1}" if last + 1 < rows - 1 else f"{rows - 1}")
+    if unnamed:
+        note += f"; ids {' and '.join(unnamed)} have no string"
+    if offset == 1 and last == rows - 2:
+        note += " (PaddleOCR's last class is the space it appends: a last line of one space names it)"
+    return [None] * offset + lines, note
