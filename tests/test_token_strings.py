@@ -99,3 +99,21 @@ def test_vocab_that_is_not_utf8_is_refused(tmp_path, capsys):
 def test_vocab_offset_without_vocab_is_refused(tmp_path, capsys):
     path = _head_with_a_mean_row(tmp_path)
     assert "--vocab-offset needs --vocab" in _audit_error(capsys, path, "--vocab-offset", 1)
+
+
+def test_text_report_keeps_its_columns_with_wide_characters(tmp_path, capsys):
+    import unicodedata
+
+    from auditor.cli.audit import main
+
+    path = _head_with_a_mean_row(tmp_path)
+    (tmp_path / "keys.txt").write_text("一\n二\n三\n四\n五五五\n", encoding="utf-8")
+    assert main([str(path), "--vocab", str(tmp_path / "keys.txt"), "--vocab-offset", "1", "--quiet"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("id  token"))
+    row = next(line for line in lines if "unargmaxable" in line and "'五五五'" in line)
+
+    def columns(text: str) -> int:  # terminal columns: CJK characters take two
+        return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
+
+    assert columns(row[:row.index("unargmaxable")]) == columns(header[:header.index("verdict")])

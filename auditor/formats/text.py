@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+import unicodedata
 
 from auditor.formats import json_format
 from auditor.formats._common import (competitors, dual_bound_legend, evidence, failing_line, fixed_line,
@@ -23,6 +24,12 @@ def _wrapped(evidence_text: str, width: int) -> list[str]:
     glued = re.sub(r"(?<=\w) (?=-?\d)|(?<=dual) (?=bound)|(?<=group) (?=\w)", "\0", evidence_text)
     pieces = textwrap.wrap(glued, width, break_on_hyphens=False) or [""]
     return [piece.replace("\0", " ") for piece in pieces]
+
+
+def _padded(text: str, width: int) -> str:
+    """``text`` filled to ``width`` terminal columns: CJK and other wide characters take two."""
+    wide = sum(unicodedata.east_asian_width(ch) in "WF" for ch in text)
+    return text + " " * max(0, width - len(text) - wide)
 
 
 def _tags(finding: dict) -> str:
@@ -61,7 +68,7 @@ def render_document(doc: dict) -> str:
         indent = " " * (10 + len(token_header) + 14)  # where the evidence column starts
         for verdict, listed, left_out in groups:
             for f in listed:
-                token = f"{token_label(f['token']):<18} " if with_tokens else ""
+                token = _padded(token_label(f["token"]), 18) + " " if with_tokens else ""
                 first, *rest = _wrapped(evidence(f, doc), width)
                 lines.append(f"{f['id']:>8}  {token}{f['verdict']:<13} {first:<{width}} "
                              f"{competitors(f, with_tokens)}{_tags(f)}".rstrip())
