@@ -32,7 +32,7 @@ def _row_reader(weight):
 def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str = "auto",
           tokens: Iterable[int] | None = None, progress: bool = True, final_norm: FinalNorm | None = None,
           probability_ceiling: bool = False, residual_tol: float = 1e-10, frank_wolfe_iterations: int = 100,
-          lp_rounds: int = 30, newton_iterations: int = 40, threads: int | None = None,
+          lp_rounds: int = 10, newton_iterations: int = 40, threads: int | None = None,
           bfloat16_entries: int | None = None, whitened_entries: int | None = None) -> AuditReport:
     """Decide which tokens of a head can be the strict argmax of its logits ``W z + b``.
 
@@ -50,10 +50,10 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     ``frank_wolfe_iterations``, ``newton_iterations`` and ``lp_rounds`` bound
     the work of those stages (0 skips one; the dual Frank-Wolfe of biased heads
     and bounded domains runs four times ``frank_wolfe_iterations``, most of them
-    on a working set of rivals). ``lp_rounds`` is each token's first allowance of
-    constraint-generation rounds in the exact LP; the rounds decided tokens leave
-    unused, and four tokens' worth more, go to the tokens still converging, so
-    the stage runs at most ``lp_rounds`` (tokens + 4) rounds in all.
+    on a working set of rivals). ``lp_rounds`` is the most rounds of constraint
+    generation the exact LP runs for one token before it solves the LP over all rows
+    (warm, from the basis the rounds reached), so no token the plain LP decides is
+    left inconclusive; 0 skips the stage.
 
     ``bfloat16_entries`` and ``whitened_entries`` are the head sizes (n d) from which the screen runs
     its bfloat16 pass and tries whitened witnesses (docs/method.md, stage 1); None takes the engine's

@@ -1,25 +1,29 @@
-"""The LP stage: the exact cross-check, a margin program solved by cvxpy with constraint generation.
+"""The LP stage: the exact cross-check, a margin program solved with constraint generation.
 
 For token k and a set A of rival rows it solves
 
     maximise t  subject to  (w_k - w_i).z + (b_k - b_i) s >= t  for i in A,  z in D',
 
-with HiGHS (a linear program) or Clarabel (a second-order cone for the ball).
-D' is the domain itself when it is bounded (s = 1). In the unbounded domain
-the question is homogeneous: z ranges over the box [-1, 1]^d and the bias
-enters through s in [0, 1], so that a strict win at (z, s) with s > 0 gives the
-witness z / s and one with s = 0 gives a winning direction to scale up.
+with HiGHS (a linear program; called directly, warm between rounds) or Clarabel (a
+second-order cone for the ball). D' is the domain itself when it is bounded (s = 1).
+In the unbounded domain the question is homogeneous: z ranges over the box [-1, 1]^d
+and the bias enters through s in [0, 1], so that a strict win at (z, s) with s > 0
+gives the witness z / s and one with s = 0 gives a winning direction to scale up
+(the best scale along it is found exactly: best_scale).
 
 The optimum over A bounds the optimum over all rows from above. If it is not
 positive, the dual multipliers of the rival constraints are convex weights
 over A (their sum is 1 because t is free), and they certify k over the whole
 vocabulary. If it is positive, the optimal z is checked against every row; the
 rows it loses to join A and the program is solved again: a few small programs
-cost far less than one over all rows (the spec gives the measurements).
+usually cost far less than one over all rows (the spec gives the measurements).
 
-The rounds are one budget for all the tokens left (``lp_decide_all``): how many a
-token needs depends on how far its first rivals are from the rows that decide it,
-so the rounds quick tokens leave go to the slow ones while they still find new rivals.
+Constraint generation can stall on crowded boundaries, where each round finds a few
+new rivals and the program grows slowly. So a token gets at most ``rounds`` rounds,
+and fewer once its rivals are a quarter of the head; then every row is added to the
+program at once, which makes its next solve the plain LP over all rows, started from
+the basis the rounds reached. The stage therefore decides every token the plain LP
+decides, up to the float64 checks that every answer goes through.
 """
 
 from __future__ import annotations
@@ -50,43 +54,110 @@ class LpOutcome:
     bias_gap: float = math.inf
 
 
-def _solve(head: EngineHead, k: int, rivals: np.ndarray):
-    """Solve the margin program over ``rivals``; return (t, z, s, alpha) or None on solver failure."""
+class MarginProgram:
+    """Token k's margin program over a growing set of rivals, kept in one solver between rounds.
+
+    Polyhedral domains (R^d, boxes) go to HiGHS directly: the program is built once and each
+    round adds the new rivals' rows, so the dual simplex starts from the previous optimal basis
+    (the rows added cut the previous optimum off; every other row keeps its basis status) instead
+    of solving from scratch. Balls are second-order cones and go to Clarabel through cvxpy, rebuilt
+    each round.
+    """
+
+    def __init__(self, head: EngineHead, k: int):
+        self.head, self.k = head, k
+        self.w_k = head.rows([k])[0]
+        self.b_k = float(head.biases([k])[0]) if head.bias is not None else 0.0
+        self.rivals = np.zeros(0, dtype=np.int64)
+        self.homogeneous_bias = head.bias is not None and not head.domain.bounded  # the s column
+        self._highs = self._new_highs() if head.domain.polyhedral else None
+
+    def _new_highs(self):
+        import highspy
+
+        with quiet_stdout():  # the constructor prints HiGHS's banner to descriptor 1, the report's stream
+            highs = highspy.Highs()
+        for option, value in (("output_flag", False), ("presolve", "off"),
+                              # tight tolerances: near-boundary tokens have margins far below the defaults
+                              ("primal_feasibility_tolerance", 1e-10), ("dual_feasibility_tolerance", 1e-10)):
+            highs.setOptionValue(option, value)
+        d, inf = self.head.d, highspy.kHighsInf
+        reach = 1.0 if not self.head.domain.bounded else float(self.head.domain.radius)
+        lower = [-reach] * d + ([0.0] if self.homogeneous_bias else []) + [-inf]
+        upper = [reach] * d + ([1.0] if self.homogeneous_bias else []) + [inf]
+        highs.addVars(len(lower), np.array(lower), np.array(upper))
+        highs.changeColCost(len(lower) - 1, 1.0)  # t
+        highs.changeObjectiveSense(highspy.ObjSense.kMaximize)
+        return highs
+
+    def add(self, rivals: np.ndarray) -> None:
+        rivals = np.setdiff1d(np.asarray(rivals, dtype=np.int64), self.rivals)
+        if rivals.size == 0:
+            return
+        self.rivals = np.concatenate([self.rivals, rivals])
+        if self._highs is None:
+            return
+        import highspy
+
+        head = self.head
+        A = self.w_k[None, :] - head.rows(rivals)  # (w_k - w_i) . z
+        columns = [A]
+        lower = np.zeros(rivals.size)
+        if head.bias is not None:
+            gap = self.b_k - head.biases(rivals)
+            if self.homogeneous_bias:
+                columns.append(gap[:, None])  # + (b_k - b_i) s
+            else:
+                lower = -gap  # (w_k - w_i) . z - t >= -(b_k - b_i)
+        columns.append(-np.ones((rivals.size, 1)))  # - t
+        values = np.hstack(columns)
+        width = values.shape[1]
+        starts = np.arange(rivals.size, dtype=np.int32) * width
+        indices = np.tile(np.arange(width, dtype=np.int32), rivals.size)
+        self._highs.addRows(rivals.size, lower, np.full(rivals.size, highspy.kHighsInf), values.size, starts, indices,
+                            values.ravel())
+
+    def solve(self):
+        """(t, z, s, alpha) at the optimum over the rivals so far, or None when the solver fails."""
+        if self._highs is None:
+            return _solve_conic(self.head, self.k, self.rivals)
+        import highspy
+
+        highs = self._highs
+        try:
+            highs.run()
+        except Exception:  # noqa: BLE001 - any solver failure leaves the token to the next stage's rules
+            return None
+        if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        solution = highs.getSolution()
+        x = np.asarray(solution.col_value, dtype=np.float64)
+        d = self.head.d
+        z, s = x[:d], (float(x[d]) if self.homogeneous_bias else 1.0)
+        alpha = np.clip(-np.asarray(solution.row_dual, dtype=np.float64), 0.0, None)  # duals of >= rows of a maximum
+        return float(x[-1]), z, s, alpha
+
+
+def _solve_conic(head: EngineHead, k: int, rivals: np.ndarray):
+    """The margin program in a ball (a second-order cone) with Clarabel; (t, z, s, alpha) or None."""
     import cvxpy as cp  # imported here: it takes a second, and most audits never reach this stage
 
     w_k = head.rows([k])[0]
     A = w_k[None, :] - head.rows(rivals)
-    c = head.biases([k])[0] - head.biases(rivals) if head.bias is not None else None
+    c = head.biases([k])[0] - head.biases(rivals) if head.bias is not None else 0.0
     z, t = cp.Variable(head.d), cp.Variable()
-    domain = head.domain
-    s = None
-    if not domain.bounded:
-        constraints = [z <= 1, z >= -1]
-        if c is not None:
-            s = cp.Variable()
-            constraints += [s >= 0, s <= 1]
-            rival = A @ z + c * s - t >= 0
-        else:
-            rival = A @ z - t >= 0
-    else:
-        rival = A @ z + (c if c is not None else 0.0) - t >= 0
-        constraints = domain.constraints(z)
-    problem = cp.Problem(cp.Maximize(t), [rival] + constraints)
-    # Tight tolerances: near-boundary tokens have margins far below the solvers' defaults.
-    if domain.polyhedral:
-        options = {"solver": cp.HIGHS, "primal_feasibility_tolerance": 1e-10, "dual_feasibility_tolerance": 1e-10}
-    else:
-        options = {"solver": cp.CLARABEL, "tol_feas": 1e-11, "tol_gap_abs": 1e-11, "tol_gap_rel": 1e-11}
+    rival = A @ z + c - t >= 0
+    problem = cp.Problem(cp.Maximize(t), [rival] + head.domain.constraints(z))
     try:
-        with warnings.catch_warnings(), quiet_stdout():  # HiGHS prints a banner to stdout, the report's stream
+        with warnings.catch_warnings(), quiet_stdout():
             warnings.simplefilter("ignore")  # "may be inaccurate": every answer is checked in float64 anyway
-            problem.solve(**options)
+            problem.solve(solver=cp.CLARABEL, tol_feas=1e-11, tol_gap_abs=1e-11, tol_gap_rel=1e-11)
     except (cp.error.SolverError, ValueError, ArithmeticError):
         return None
     if problem.status not in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE) or z.value is None or rival.dual_value is None:
         return None
     alpha = np.clip(np.asarray(rival.dual_value, dtype=np.float64).ravel(), 0.0, None)
-    return float(t.value), np.asarray(z.value, dtype=np.float64), (float(s.value) if s is not None else 1.0), alpha
+    return float(t.value), np.asarray(z.value, dtype=np.float64), 1.0, alpha
 
 
 def best_scale(slopes: np.ndarray, intercepts: np.ndarray, largest: float) -> float:
@@ -127,53 +198,62 @@ def _witness_from(head: EngineHead, k: int, z: np.ndarray) -> np.ndarray:
 def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
     """Sharpen approximate convex weights into an exact combination on their support.
 
-    Tries the weights as given, the affine solve on their support, and the
-    non-negative least-squares solution on it; returns the accepted candidate
-    with the smallest residual as (indices, weights, check), or the best
-    rejected one.
+    Tries, cheapest first, the weights as given, a vertex of the combinations on their support
+    re-solved exactly on its basis, the non-negative least-squares solution on it and (on small
+    supports) the affine solve on it; returns the accepted candidate with the smallest residual as
+    (indices, weights, check), or the best rejected one. A candidate accepted with residual zero
+    ends the search: none can do better.
     """
     keep = weights > weights.max() * 1e-12
     support = indices[keep]
-    candidates = [(support, weights[keep] / weights[keep].sum())]
+    best = None
+
+    def tried(idx, w):
+        nonlocal best
+        nz = w > 0
+        check = check_convex(head, k, idx[nz], w[nz])
+        if best is None or (not check.accepted, check.residual) < (not best[2].accepted, best[2].residual):
+            best = (idx[nz], w[nz], check)
+        return check.accepted and check.residual == 0
+
+    if tried(support, weights[keep] / weights[keep].sum()):
+        return best
     rows = head.rows(support)
     w_k = head.rows([k])[0]
     Y = (rows - w_k).T  # d x |S|
     scale = max(float(np.abs(Y).max()), np.finfo(np.float64).tiny)
     system = np.vstack([Y, np.full((1, support.size), scale)])
     target = np.concatenate([np.zeros(head.d), [scale]])
-    affine = np.linalg.lstsq(system, target, rcond=None)[0]
-    if np.all(affine >= 0) and affine.sum() > 0:
-        candidates.append((support, affine / affine.sum()))
-    # min ||Y b||^2 + (sum b - 1)^2 over b >= 0 has b* = t alpha* for the min-norm weights alpha*.
-    beta = scipy.optimize.nnls(system, target, maxiter=50 * max(support.size, 10))[0]
-    if beta.sum() > 0:
-        candidates.append((support, beta / beta.sum()))
     # A vertex of {alpha >= 0 : sum alpha_i w_i = w_k, sum alpha = 1} with the largest sum alpha_i b_i,
     # re-solved exactly on its (at most d + 1 rows) basis: sparse, and it keeps the bias gap negative.
     vertex = scipy.optimize.linprog(-head.biases(support), A_eq=system, b_eq=target, bounds=(0, None), method="highs")
     if vertex.status == 0:
         basis = vertex.x > vertex.x.max() * 1e-12
         exact = np.linalg.lstsq(system[:, basis], target, rcond=None)[0]
-        if np.all(exact >= 0) and exact.sum() > 0:
-            candidates.append((support[basis], exact / exact.sum()))
-    best = None
-    for idx, w in candidates:
-        nz = w > 0
-        check = check_convex(head, k, idx[nz], w[nz])
-        key = (not check.accepted, check.residual)
-        if best is None or key < best[0]:
-            best = (key, idx[nz], w[nz], check)
-    if not best[3].accepted and best[2].size <= EXACT_GAP_ROWS:
+        if np.all(exact >= 0) and exact.sum() > 0 and tried(support[basis], exact / exact.sum()):
+            return best
+    # min ||Y b||^2 + (sum b - 1)^2 over b >= 0 has b* = t alpha* for the min-norm weights alpha*.
+    beta = scipy.optimize.nnls(system, target, maxiter=50 * max(support.size, 10))[0]
+    if beta.sum() > 0 and tried(support, beta / beta.sum()):
+        return best
+    if support.size <= _AFFINE_ROWS * (head.d + 1):  # on many rows the least-norm solve is rarely non-negative
+        affine = np.linalg.lstsq(system, target, rcond=None)[0]
+        if np.all(affine >= 0) and affine.sum() > 0 and tried(support, affine / affine.sum()):
+            return best
+    if not best[2].accepted and best[1].size <= EXACT_GAP_ROWS:
         # A value zero only in exact arithmetic (a row exactly between others, its bias exactly between
         # theirs) needs the exact weights, which a solve gives only up to rounding: they are usually
         # fractions with small denominators, which float64 weights represent after normalisation when
         # the denominators are powers of two or the weights are equal.
-        snapped = _snapped(best[2])
+        snapped = _snapped(best[1])
         if snapped is not None:
-            check = check_convex(head, k, best[1], snapped)
+            check = check_convex(head, k, best[0], snapped)
             if check.accepted:
-                return best[1], snapped, check
-    return best[1], best[2], best[3]
+                return best[0], snapped, check
+    return best
+
+
+_AFFINE_ROWS = 2  # supports up to this many times d + 1 rows get the affine solve
 
 
 def _snapped(weights: np.ndarray, denominator: int = 1 << 12) -> np.ndarray | None:
@@ -264,14 +344,19 @@ def _solve_exactly(augmented: list) -> list | None:
 
 @dataclass
 class LpSearch:
-    """One token's constraint generation, resumable: the rivals so far and the best found."""
+    """One token's constraint generation: its program, the rivals so far and the best found."""
 
     k: int
-    rivals: np.ndarray
+    program: MarginProgram
     add: int  # rivals added per round
     outcome: LpOutcome
     rounds: int = 0  # rounds run so far
     open: bool = True  # False once decided, or once no round can change the answer (no new rival, solver failure)
+    complete: bool = False  # the program holds every competitor: it is the plain LP over all rows
+
+    @property
+    def rivals(self) -> np.ndarray:
+        return self.program.rivals
 
 
 def start_search(head: EngineHead, k: int, seed_rivals: np.ndarray, add_per_round: int | None = None) -> LpSearch:
@@ -281,29 +366,33 @@ def start_search(head: EngineHead, k: int, seed_rivals: np.ndarray, add_per_roun
     rivals = rivals[head.representative[rivals] == rivals]
     if rivals.size == 0:
         rivals = _top_rivals(head, k, head.rows([k])[0] - head.centre.cpu().numpy(), set(), add)
-    return LpSearch(k, rivals, add, LpOutcome())
+    program = MarginProgram(head, k)
+    program.add(rivals)
+    return LpSearch(k, program, add, LpOutcome())
 
 
-def rounds_to_exhaust(head: EngineHead, search: LpSearch) -> int:
-    """Rounds after which the rivals are every competitor, so the program is the exact one over all rows."""
-    return -(-max(head.n_competitors - 1 - search.rivals.size, 0) // search.add) + 1
+def _every_rival(head: EngineHead, k: int) -> np.ndarray:
+    competitors = np.flatnonzero(head.competitor.cpu().numpy())
+    return competitors[competitors != k]
 
 
 def run_rounds(head: EngineHead, search: LpSearch, rounds: int) -> int:
     """Run up to ``rounds`` rounds of token k's constraint generation; returns the rounds used."""
     k, outcome = search.k, search.outcome
-    w_k = head.rows([k])[0]
+    w_k = search.program.w_k
     used = 0
     while used < rounds and search.open:
         used += 1
         search.rounds += 1
-        solved = _solve(head, k, search.rivals)
+        solved = search.program.solve()
         if solved is None:
             search.open = False
             break
         t, z, s, alpha = solved
         if head.bias is not None and not head.domain.bounded and s > 0:
             z = z / s
+        # z is the program's point; with s = 0 (or nearly) it is a direction along which k wins far out,
+        # and _try_witness finds the scale along it where the lead is largest
         if _try_witness(head, k, z, outcome):
             search.open = False
             break
@@ -321,61 +410,65 @@ def run_rounds(head: EngineHead, search: LpSearch, rounds: int) -> int:
             if _try_witness(head, k, _residual(head, k, indices, weights, w_k), outcome):
                 search.open = False
                 break
+        if search.complete:  # the plain LP over all rows has answered: nothing is left to add
+            search.open = False
+            break
         new = _top_rivals(head, k, z, set(search.rivals.tolist()), search.add)
         if new.size == 0:  # the program already holds every row that beats its optimum: no round can add one
             search.open = False
             break
-        search.rivals = np.union1d(search.rivals, new)
+        search.program.add(new)
     return used
+
+
+def complete(head: EngineHead, search: LpSearch) -> None:
+    """Add every competitor row to the token's program (warm: the basis of the rounds so far stays), so
+    that its next solve is the plain LP over all rows."""
+    search.program.add(_every_rival(head, search.k))
+    search.complete = True
+    search.open = search.outcome.verdict is None
 
 
 def lp_decide(head: EngineHead, k: int, seed_rivals: np.ndarray, max_rounds: int = 30,
               add_per_round: int | None = None) -> LpOutcome:
-    """Decide token k by constraint generation, starting from ``seed_rivals``, in at most ``max_rounds`` rounds."""
+    """Decide token k: at most ``max_rounds`` rounds of constraint generation from ``seed_rivals``, then,
+    when they have not decided it, the program over all rows."""
     search = start_search(head, k, seed_rivals, add_per_round)
     run_rounds(head, search, max_rounds)
+    if search.outcome.verdict is None and max_rounds > 0:
+        complete(head, search)
+        run_rounds(head, search, 1)
     return search.outcome
 
 
 def lp_decide_all(head: EngineHead, tokens: list[int], seeds: dict[int, np.ndarray], rounds: int,
                   done=None) -> dict[int, LpOutcome]:
-    """Decide ``tokens`` by constraint generation under one budget of rounds that adapts to what is left.
+    """Decide ``tokens`` one after another (``lp_decide``); ``done(k)`` is called as each token leaves.
 
-    Each token first gets ``rounds`` rounds. The rounds a token leaves unused when it
-    is decided early, together with a reserve of ``_SPARE_TOKENS`` tokens' worth, form
-    a pool, shared evenly among the tokens still converging (their last round found new
-    rivals). No token gets more than it needs to hold every row, nor more than
-    ``_MOST_ALLOWANCES`` times ``rounds`` in all (each round's program grows with its
-    rivals). So a few slow tokens get many rounds, many slow tokens keep the first
-    allowance, and the stage runs at most ``rounds`` (len(tokens) + ``_SPARE_TOKENS``)
-    rounds. ``done(k)`` is called as each token leaves the stage.
-    """
-    searches = {k: start_search(head, k, seeds[k]) for k in tokens}
-    pool = rounds * _SPARE_TOKENS if rounds > 0 else 0
-    most = rounds * _MOST_ALLOWANCES
-
-    def room(search: LpSearch) -> int:
-        return min(pool, most - search.rounds, rounds_to_exhaust(head, search)) if search.open else 0
-
-    for search in searches.values():
-        pool += rounds - run_rounds(head, search, rounds)
-    waiting = list(searches.values())
-    while True:
-        leaving = [search.k for search in waiting if room(search) == 0]
-        waiting = [search for search in waiting if room(search) > 0]
-        for k in leaving:
-            if done is not None:
-                done(k)
-        if not waiting:
-            break
-        share = max(1, pool // len(waiting))
-        for search in waiting:
-            pool -= run_rounds(head, search, min(share, room(search)))
-    return {k: search.outcome for k, search in searches.items()}
+    Constraint generation stops after ``rounds`` rounds, or sooner once its rivals are a quarter
+    of the head (``_LARGEST_SHARE``: the rounds would then cost more than the plain LP); a token still
+    open then gets the program over all rows, started from the basis its rounds reached. So the
+    stage decides every token the plain LP decides (up to the float64 checks), at a bounded
+    multiple of its cost. ``rounds`` = 0 skips the stage."""
+    outcomes = {}
+    for k in tokens:
+        if rounds <= 0:
+            outcomes[k] = LpOutcome()
+        else:
+            search = start_search(head, k, seeds[k])
+            while search.open and search.rounds < rounds and search.rivals.size < _LARGEST_SHARE * head.n_competitors:
+                run_rounds(head, search, 1)
+            if search.outcome.verdict is None and not search.complete:  # stalled, stopped or failed
+                complete(head, search)
+                run_rounds(head, search, 1)
+            outcomes[k] = search.outcome
+            search.program = None  # the solver's memory goes with it
+        if done is not None:
+            done(k)
+    return outcomes
 
 
-_SPARE_TOKENS = 4  # the pool beyond the first allowances, in tokens' worth of rounds
-_MOST_ALLOWANCES = 8  # the most rounds one token gets, in first allowances
+_LARGEST_SHARE = 0.25  # constraint generation stops when its rivals reach this share of the head
 
 
 def _top_rivals(head: EngineHead, k: int, z: np.ndarray, exclude: set, count: int) -> np.ndarray:

@@ -14,8 +14,8 @@
              a bias, rows whose ray from a rival passes through the origin (a row swallowed by
              a longer copy of itself) take one sparse certificate of the origin, found once
              (anchor.py)
-6. lp        constraint generation with cvxpy for whatever is left, under one budget
-             of rounds that the tokens still converging share
+6. lp        constraint generation with HiGHS for whatever is left (Clarabel in a ball), then,
+             for a token it has not decided in a few rounds, the LP over all rows
 7. whatever no stage proved is ``inconclusive``, with the bounds found
 8. sparsify  every convex certificate on more than D rows is reduced to at
              most D (Carathéodory; D = d + 1, d + 2 with a bias) and checked again
@@ -58,7 +58,7 @@ _DUAL_FACTOR = 4
 class EngineOptions:
     frank_wolfe_iterations: int = 100
     newton_iterations: int = 40
-    lp_rounds: int = 30  # each token's first allowance; lp.lp_decide_all shares what is left
+    lp_rounds: int = 10  # rounds of constraint generation per token before the LP over all rows (lp.py)
     residual_tol: float = 1e-10
     defer_flat: bool = False  # bounded domains: leave tokens whose dual value is zero up to the tolerance
     #                           inconclusive rather than solve an LP (the norm domain settles them in R^d)
@@ -277,8 +277,8 @@ def _defer_flat(head: EngineHead, out: Decisions, left: np.ndarray, leftovers: _
 
 def _lp(head: EngineHead, out: Decisions, left: np.ndarray, options: EngineOptions, progress: bool,
         leftovers: _Leftovers) -> None:
-    """The exact stage for every token left, under one budget of rounds (lp.lp_decide_all); what it
-    cannot prove is inconclusive, with its bounds."""
+    """The exact stage for every token left (lp.lp_decide_all: constraint generation, then the LP over all
+    rows); what it cannot prove is inconclusive, with its bounds."""
     lower, upper = leftovers.lower, leftovers.upper
     tokens = left.tolist()
     with _bar(len(tokens), "exact LP", progress) as bar:
