@@ -7,13 +7,16 @@ weights tilted towards the rows of larger bias prove it strictly. These tests pl
 N(mean, 1e-9 cov) and mean plus small isotropic noise, and check that the batched stages (interior,
 Newton) settle every one of them, so that none costs a per-token LP; the oracle is a plain
 second-order cone program over all rows of the reduced head (W diag(g) P, W beta, radius sqrt(d)).
+Rows whose coordinate means vary little (flat_rows) fix nearly all of that bias, and rows a little off
+the mean then sit just below or just above what the rows around them reach; under an RMSNorm (no
+shift) the reduced bias is exactly zero, and the oracle is the margin program of R^d.
 """
 
 import numpy as np
 import pytest
 
 import auditor
-from oracles import ball_margin
+from oracles import ball_margin, lp_margin
 
 
 def resized(old: np.ndarray, rng) -> np.ndarray:
@@ -56,6 +59,46 @@ def test_mean_and_near_mean_rows_under_a_shifted_layernorm_are_settled_without_t
     rows, bias, radius = reduced_head(W, norm)
     for k in planted:  # the plain program over all rows: no positive margin anywhere in the ball
         assert ball_margin(rows, bias, k, radius) < 1e-9
+
+
+def flat_rows(rng, n: int, d: int) -> np.ndarray:
+    """Anisotropic rows whose coordinate means vary little, as trained rows' do. A LayerNorm cannot see the
+    all-ones direction, so the reduced rows fix all of the bias w_i . beta its shift gives but a sliver (on the
+    MiniLM head the part they leave has 0.008 of the bias's spread), and a row a little off the mean has its
+    own sliver: a small fraction of that spread above or below what the rows around it make."""
+    spectrum = np.arange(1, d + 1) ** -0.7
+    rows = rng.standard_normal((n, d)) * np.sqrt(spectrum) + 0.3 * rng.standard_normal(d)
+    means = rows.mean(axis=1, keepdims=True)
+    return rows - 0.997 * (means - means.mean())
+
+
+def near_mean(old: np.ndarray, eps: tuple[float, ...], rng) -> np.ndarray:
+    """The mean of the rows plus eps N(0, 1), one row per eps."""
+    mean = old.mean(axis=0)
+    return np.vstack([mean + e * rng.standard_normal(old.shape[1]) for e in eps])
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_near_mean_rows_under_an_rmsnorm_are_settled_before_the_lp(seed):
+    # an RMSNorm has no shift: the reduced bias W 0 is exactly constant and must not be taken for one that
+    # only rounding makes constant, whose dual values the Newton stage leaves to the LP
+    rng = np.random.default_rng(seed)
+    n, d, eps = 1000, 32, (1e-3, 1e-2, 3e-2)
+    old = flat_rows(rng, n, d)
+    W = np.vstack([old, near_mean(old, eps, rng)])
+    gain = rng.uniform(0.85, 1.15, d)
+    norm = auditor.FinalNorm("rmsnorm", weight=gain, eps=1e-6)
+    report = auditor.audit(W, domain="norm", final_norm=norm, progress=False)
+    for k in range(n, n + len(eps)):
+        # no shift: the ball's verdicts are those of R^d for W diag(g), whose margin program over the box
+        # is 0 (at z = 0) for a row in the hull and positive for one outside
+        t, _, _ = lp_margin(W * gain, None, k)
+        token = report.tokens[k]
+        assert t > 1e-9 or abs(t) < 1e-12, (k, t)
+        assert token.verdict == ("argmaxable" if t > 1e-9 else "unargmaxable"), (k, t)
+        assert token.stage != "lp", k
+    assert report.counts["inconclusive"] == 0
+    assert auditor.verify(report, W, final_norm=norm).ok
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@ rounding bound) into one whose numbers sit near 1:
 
 - the bias is taken relative to its lower median b_m (an entry of b):
   b - b_m. Adding a constant to every bias leaves this unchanged, and a
-  bias that is constant becomes no bias at all. Each entry's rounding
+  bias that is constant becomes no bias at all (a derived one too, when its
+  error bounds are all 0: it is then exactly constant). Each entry's rounding
   (found exactly by TwoSum; at most u |b_i - b_m|) is added to the bias error bound;
 - the weight is scaled by 2^a so that the median distance of the rows from
   their coordinate-wise median lies in [1/2, 1), the bias by 2^c and the
@@ -117,8 +118,10 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
     if bias is not None:
         reference = _lower_median(bias[competitor])
         relative = bias - reference
-        if not bool(relative.any()) and bias_error is None:
-            bias = None  # a constant bias moves every logit alike
+        if not bool(relative.any()) and (bias_error is None or not bool(bias_error.any())):
+            # a constant bias moves every logit alike; so does a derived one whose error bounds are all 0
+            # (the norm domain's W beta for an RMSNorm, which has no shift): it is exactly constant
+            bias, bias_error = None, None
         else:
             # |fl(b_i - b_m) - (b_i - b_m)| exactly, by Knuth's TwoSum: zero wherever the subtraction was exact
             back = relative + reference
