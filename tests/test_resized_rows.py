@@ -14,9 +14,14 @@ shift) the reduced bias is exactly zero, and the oracle is the margin program of
 
 import numpy as np
 import pytest
+import torch
 
 import auditor
-from oracles import ball_margin, lp_margin
+from auditor.domain import Ball
+from auditor.engine.head import build_engine_head
+from auditor.engine.ties import duplicate_groups
+from auditor.engine.tilt import tilted_certificates
+from oracles import ball_margin, lp_margin, witness_wins
 
 
 def resized(old: np.ndarray, rng) -> np.ndarray:
@@ -76,6 +81,50 @@ def near_mean(old: np.ndarray, eps: tuple[float, ...], rng) -> np.ndarray:
     """The mean of the rows plus eps N(0, 1), one row per eps."""
     mean = old.mean(axis=0)
     return np.vstack([mean + e * rng.standard_normal(old.shape[1]) for e in eps])
+
+
+@pytest.mark.parametrize("seed", [2, 7, 12])
+def test_near_mean_rows_whose_bias_the_rows_nearly_fix_are_settled_before_the_lp(seed):
+    # Newton's lean must be measured in the part of the bias the rows leave: in the whole bias's spread
+    # it is too weak by that sliver, and these rows went to the LP
+    rng = np.random.default_rng(seed)
+    n, d, eps = 1000, 32, (1e-4, 1e-3, 1e-2)
+    old = flat_rows(rng, n, d)
+    W = np.vstack([old, near_mean(old, eps, rng)])
+    norm = layernorm(d, rng)
+    report = auditor.audit(W, domain="norm", final_norm=norm, progress=False)
+    rows, bias, radius = reduced_head(W, norm)
+    spread = report.tolerances["typical_spread"]
+    for k in range(n, n + len(eps)):
+        margin = ball_margin(rows, bias, k, radius)  # over all rows: the best lead anywhere in the ball
+        assert abs(margin) > 1e-6 * spread, (k, margin)  # a lead or residual this size must not need the LP
+        token = report.tokens[k]
+        assert token.verdict == ("argmaxable" if margin > 0 else "unargmaxable"), (k, margin)
+        assert token.stage != "lp", k
+    assert report.counts["inconclusive"] == 0
+    assert auditor.verify(report, W, final_norm=norm).ok
+
+
+@pytest.mark.parametrize("seed", [9, 10])
+def test_newton_offers_the_tilted_point_of_a_row_just_above_the_rows_bias_as_its_witness(seed):
+    # the 1e-2 row's bias lies above what any combination of the rows around it reaches: Newton's theta runs
+    # off, and the point its weights are the smoothed leaders of wins for the row
+    rng = np.random.default_rng(seed)
+    n, d, eps = 1000, 32, (1e-4, 1e-3, 1e-2)
+    old = flat_rows(rng, n, d)
+    rows, bias, radius = reduced_head(np.vstack([old, near_mean(old, eps, rng)]), layernorm(d, rng))
+    weight, offset = torch.from_numpy(rows), torch.from_numpy(bias)
+    head = build_engine_head(weight, offset, duplicate_groups(weight, offset), Ball(radius), 1e-10)
+    witnesses = {}
+    convex = tilted_certificates(head, np.arange(n, n + 3), witnesses=witnesses)
+    margins = {k: ball_margin(rows, bias, k, radius) for k in range(n, n + 3)}
+    assert sorted(witnesses) == [k for k, m in margins.items() if m > 0] == [n + 2]
+    assert sorted(convex) == [k for k, m in margins.items() if m < 0]
+    z, margin, runner_up = witnesses[n + 2]
+    assert np.linalg.norm(z) <= radius and witness_wins(rows, bias, n + 2, z)
+    assert 0 < margin <= margins[n + 2] * (1 + 1e-6)  # a lower bound of the lead at z, at most the best lead
+    lead = rows[n + 2] @ z + bias[n + 2] - np.delete(rows @ z + bias, n + 2)
+    assert runner_up == np.delete(np.arange(n + 3), n + 2)[np.argmin(lead)]
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -26,24 +26,29 @@ which only slows convergence a little where it is inexact; every answer goes
 through certify.check_convex like any other.
 
 With a bias the certificate also needs sum_i pi_i b_i >= b_k. The weights are
-then tilted by the bias as well, pi_i proportional to exp(theta . w_i + b_i / sigma)
-with sigma the spread of the biases: F keeps its gradient sum_i pi_i w_i - p, so
+then tilted by the bias as well, pi_i proportional to exp(theta . w_i + lean u_i / sigma_u)
+with u the part of the bias the rows do not fix (the residual of its least-squares
+fit on the rows) and sigma_u its spread: F keeps its gradient sum_i pi_i w_i - p, so
 the minimiser still reproduces p, and among the weights that do it leans
-towards the rows of larger bias; where the gap is still positive, a stronger
-lean is tried (_LEANS), which in the limit gives the largest average bias any
-combination reproducing p has. A row at the mean of the rows with the mean of
-their biases (the bias a LayerNorm shift gives every row is w_i . beta) then
-gets a bias gap below zero by about the spread of the biases that the rows do
-not fix, instead of a tie. p is then w_k itself: the ray's rival w_j brings
+towards the rows of larger bias (the fitted part of the bias is linear in w_i,
+so the combinations that reproduce p all give it the same average; only u can
+move). Where the gap is still positive, a stronger lean is tried (_LEANS),
+which in the limit gives the largest average bias any combination reproducing
+p has. A row at the mean of the rows with the mean of their biases (the bias a
+LayerNorm shift gives every row is w_i . beta) then gets a bias gap below zero
+by about sigma_u, instead of a tie, and so does a row a little off the mean whose
+own u is a fraction of sigma_u. p is then w_k itself: the ray's rival w_j brings
 its own bias into the gap.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from auditor.engine.certify import check_convex
+from auditor.engine.certify import check_convex, check_witnesses
 from auditor.engine.head import EngineHead
 
 _BATCH = 16
@@ -56,20 +61,31 @@ _LEANS = (1.0, 8.0, 64.0)  # the bias's tilt, in units of its spread: tried in t
 _STEP_LIMIT = 30.0  # largest spread (standard deviation over the rows) a step may add to the logits
 
 
-def tilted_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 40, progress=None) -> dict[int, tuple[np.ndarray, np.ndarray, float, float]]:
-    """Return ``{k: (indices, weights, residual, bias_gap)}`` for the tokens this settles."""
+def tilted_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 40, progress=None,
+                        witnesses: dict | None = None) -> dict[int, tuple[np.ndarray, np.ndarray, float, float]]:
+    """Return ``{k: (indices, weights, residual, bias_gap)}`` for the tokens this settles by convex weights.
+
+    With a bias and a ``witnesses`` dict, the tokens whose tilted point wins (``_tilted_witnesses``) are put
+    there as ``{k: (witness, margin, runner_up)}`` (the margin a proven lower bound of the lead at the
+    witness, certify.check_witnesses) and tried at no further lean."""
     found = {}
     if len(ids) == 0 or head.n_competitors <= head.d:
         return found
+    lean_of = _bias_lean(head) if head.bias is not None else None
     for s in range(0, len(ids), _BATCH):
         batch = ids[s:s + _BATCH]
         start = None
         for lean in _LEANS if head.bias is not None else (0.0,):
-            settled, reproduced, theta = _run_batch(head, batch, iterations, lean, start)
+            settled, reproduced, theta = _run_batch(head, batch, iterations, lean, lean_of, start)
             found.update(settled)
+            won = {}
+            if witnesses is not None and lean_of is not None:
+                won = _tilted_witnesses(head, batch, theta, lean, lean_of, settled)
+                witnesses.update(won)
             # a larger lean only helps where w_k was reproduced and the bias gap alone failed; it starts
             # from the theta that reproduced it under the smaller lean
-            keep = np.array([k not in settled and k in reproduced for k in batch.tolist()], dtype=bool)
+            keep = np.array([k not in settled and k not in won and k in reproduced for k in batch.tolist()],
+                            dtype=bool)
             batch, start = batch[keep], theta[torch.as_tensor(keep, device=theta.device)]
             if not len(batch):
                 break
@@ -122,13 +138,65 @@ def _ray_points(head: EngineHead, k: torch.Tensor) -> tuple[torch.Tensor, torch.
     return j, mu, p
 
 
-def _bias_lean(head: EngineHead) -> torch.Tensor:
-    """(b_i - mean b) / sigma, sigma the standard deviation of the competitors' biases (0 when they are all one)."""
+@dataclass
+class _Lean:
+    """The bias's lean: the logits get ``lean * direction`` added, direction = (b - mean b - (w - c) . fit) / scale.
+
+    Then theta . w_i + lean direction_i is lean / scale times the logit of row i at the point
+    z = scale theta / lean - fit, up to a constant (``point``)."""
+
+    direction: torch.Tensor  # n
+    scale: float
+    fit: torch.Tensor  # d
+
+    def point(self, theta: torch.Tensor, lean: float) -> torch.Tensor:
+        return self.scale * theta / lean - self.fit[None, :]
+
+
+def _bias_lean(head: EngineHead) -> _Lean:
+    """The part of the bias the rows do not fix, in units of its spread: u_i / sigma_u.
+
+    u_i = b_i - mean b - (w_i - c) . beta, beta = C^+ cov(w, b) the least-squares fit of the
+    competitors' biases on their rows, and sigma_u the standard deviation of the competitors' u.
+    A lean along w_i . beta only moves theta (F's minimiser still reproduces p), so only u can raise
+    the average bias; measured in the bias's whole spread, a lean is weaker by sigma_u / sigma, which
+    a LayerNorm shift makes small (b_i = w_i . beta, fixed by the reduced rows but for one direction:
+    0.008 on the MiniLM head), and theta must first travel far to cancel the rest. Where the rows fix
+    the bias up to rounding (sigma_u at most 2^-30 sigma) no lean can help, and the bias is taken whole;
+    0 when the competitors' biases are all one.
+    """
     bias = head.bias[head.competitor]
     spread = float(bias.std(correction=0)) if bias.numel() > 1 else 0.0
+    none = torch.zeros(head.d, dtype=torch.float64, device=head.device)
     if not spread > 0:
-        return torch.zeros_like(head.bias)
-    return (head.bias - float(bias.mean())) / spread
+        return _Lean(torch.zeros_like(head.bias), 1.0, none)
+    centred = head.bias - float(bias.mean())
+    cross = head.combine(torch.where(head.competitor, centred, torch.zeros_like(centred))[None, :])[0] / bias.numel()
+    beta = head.precision @ cross  # (1/m) sum_i (w_i - c) (b_i - mean b): the w_i - c sum to 0 over the competitors
+    unexplained = centred - (head.logits(beta[None, :])[0] - float(head.centre @ beta))
+    spread_u = float(unexplained[head.competitor].std(correction=0))
+    if not spread_u > 2.0**-30 * spread:
+        return _Lean(centred / spread, spread, none)
+    return _Lean(unexplained / spread_u, spread_u, beta)
+
+
+def _tilted_witnesses(head: EngineHead, ids: np.ndarray, theta: torch.Tensor, lean: float, lean_of: _Lean,
+                      settled: dict) -> dict[int, tuple[np.ndarray, float, int]]:
+    """``{k: (witness, margin, runner_up)}`` for the tokens of ``ids`` not ``settled`` whose tilted point wins.
+
+    With z = scale theta / lean - fit (_Lean.point), F(theta) = (lean / scale) (G(z) + u_k), where
+    G(z) = t log sum_i exp((l_i(z) - l_k(z)) / t), t = scale / lean, is a smoothed maximum of the rivals'
+    leads over k and at least their maximum. Wherever Newton has driven G below 0, k leads every rival
+    at z, and at F's minimiser it has whenever k's best lead in R^d exceeds t log n: a row a little off
+    the mean of a LayerNorm-ed head whose bias is above what the rows around it reach. Each z is a
+    candidate, checked like any other witness (in a bounded domain it must lie inside)."""
+    open_ = np.array([k not in settled for k in ids.tolist()], dtype=bool)
+    if not open_.any():
+        return {}
+    points = lean_of.point(theta[torch.as_tensor(open_, device=theta.device)], lean)
+    check = check_witnesses(head, ids[open_], points)
+    return {int(k): (points[j].cpu().numpy(), float(check.margin[j]), int(check.runner_up[j]))
+            for j, k in enumerate(ids[open_].tolist()) if check.certified[j]}
 
 
 def _objective(head: EngineHead, theta: torch.Tensor, p: torch.Tensor, mask: torch.Tensor):
@@ -137,10 +205,11 @@ def _objective(head: EngineHead, theta: torch.Tensor, p: torch.Tensor, mask: tor
     return torch.logsumexp(logits, dim=1) - (theta * p).sum(dim=1), logits
 
 
-def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float,
+def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float, lean_of: _Lean | None,
                start: torch.Tensor | None = None) -> tuple[dict, set[int], torch.Tensor]:
     """({k: certificate} for the tokens settled, the tokens whose point p was reproduced to the goal, and
-    the final theta of each token), from theta = ``start`` (zero when None)."""
+    the final theta of each token), from theta = ``start`` (zero when None); with a bias the logits lean by
+    ``lean`` times ``lean_of.direction`` (_bias_lean)."""
     device = head.device
     k = torch.as_tensor(ids, device=device)
     batch = len(ids)
@@ -154,7 +223,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float,
     if head.row_mask is not None:
         mask += head.row_mask[None, :]
     if head.bias is not None:
-        mask += lean * _bias_lean(head)[None, :]
+        mask += lean * lean_of.direction[None, :]
     mask[rows, k] = -torch.inf
     # The residual the certificate may rest on; the check adds its rounding bound, about 2 n u ||w||.
     goal = torch.tensor([head.residual_tolerance(int(t)) for t in ids], dtype=torch.float64, device=device)
