@@ -12,6 +12,14 @@ from auditor.engine.anchor import anchored_certificates
 from auditor.engine.head import build_engine_head
 from auditor.engine.ties import duplicate_groups
 from oracles import convex_residual, lp_margin
+import auditor.engine.pipeline as pipeline
+
+
+@pytest.fixture(autouse=True)
+def _iterative_stages_in_few_dimensions(monkeypatch):
+    """These heads are small enough that the exact LP would go first (pipeline._DIRECT_LP_WIDTH); the tests
+    are of the iterative stages, so every width takes them."""
+    monkeypatch.setattr(pipeline, "_DIRECT_LP_WIDTH", 0)
 
 
 def trained_like(rng, n, d, offset):

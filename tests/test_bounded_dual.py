@@ -13,6 +13,14 @@ import torch
 import auditor
 from oracles import lp_margin
 from auditor.engine.bounded_dual import _BoxNorm, _line_search
+import auditor.engine.pipeline as pipeline
+
+
+@pytest.fixture(autouse=True)
+def _iterative_stages_in_few_dimensions(monkeypatch):
+    """These heads are small enough that the exact LP would go first (pipeline._DIRECT_LP_WIDTH); the tests
+    are of the iterative stages, so every width takes them."""
+    monkeypatch.setattr(pipeline, "_DIRECT_LP_WIDTH", 0)
 
 
 def socp_margin(W, b, k, radius):

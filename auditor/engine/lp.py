@@ -396,7 +396,9 @@ def run_rounds(head: EngineHead, search: LpSearch, rounds: int) -> int:
         if _try_witness(head, k, z, outcome):
             search.open = False
             break
-        if alpha.sum() > 0:
+        # The duals certify k only when the optimum over the rivals is (about) zero or below; well above
+        # it they are no certificate, and the rivals that beat z are what the next round needs.
+        if alpha.sum() > 0 and t <= _CLOSE * max(head.typical_spread, np.finfo(np.float64).tiny):
             indices, weights, convex = polish(head, k, search.rivals, alpha)
             if convex.accepted or convex.residual < outcome.residual:
                 outcome.indices, outcome.weights = indices, weights
@@ -468,7 +470,8 @@ def lp_decide_all(head: EngineHead, tokens: list[int], seeds: dict[int, np.ndarr
     return outcomes
 
 
-_LARGEST_SHARE = 0.25  # constraint generation stops when its rivals reach this share of the head
+_LARGEST_SHARE = 0.25
+_CLOSE = 1e-6  # optima below this fraction of the rows' typical spread get their duals polished  # constraint generation stops when its rivals reach this share of the head
 
 
 def _top_rivals(head: EngineHead, k: int, z: np.ndarray, exclude: set, count: int) -> np.ndarray:

@@ -20,6 +20,9 @@
 8. sparsify  every convex certificate on more than D rows is reduced to at
              most D (Carathéodory; D = d + 1, d + 2 with a bias) and checked again
 
+Heads of at most 8 dimensions (a polyhedral domain) run stage 6 right after stage 3: there the exact LP
+takes a few pivots a token, and what it leaves (ties within the tolerance) goes through 4, 5 and 6.
+
 Each stage only proposes certificates; certify.py accepts or rejects them in
 float64 (settle.py records what passes), so no stage can turn a guess into a verdict.
 """
@@ -52,6 +55,7 @@ from auditor.engine.ties import duplicate_groups
 from auditor.engine.tilt import tilted_certificates
 
 _DUAL_FACTOR = 4
+_DIRECT_LP_WIDTH = 8  # heads of at most this width go from the interior stage straight to the exact LP
 
 
 @dataclass
@@ -128,6 +132,14 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
 
     # The origin's route (part of the Newton stage) before Frank-Wolfe: the rows it settles lie just
     # inside the hull, where Frank-Wolfe only converges towards them and hands them on undecided.
+    # In a few dimensions the exact LP takes a few pivots a token, far less than the iterative stages
+    # spend on the crowded boundaries of low-rank heads (docs/performance.md, "Low-rank heads"): it
+    # goes first there, and only what it leaves (tokens within the tolerance of a tie, whose
+    # certificates rest on the tolerance) goes on to the iterative stages.
+    clock = time.perf_counter()
+    if len(left) and head.d <= _DIRECT_LP_WIDTH and head.domain.polyhedral and options.lp_rounds > 0:
+        left, threat = _lp_first(head, out, left, threat, options, progress)
+    lp_first = time.perf_counter() - clock
     clock = time.perf_counter()
     if len(left) and options.newton_iterations > 0:
         left, threat = _anchored(head, out, left, threat, options)
@@ -148,7 +160,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     if options.defer_flat and head.domain.bounded:
         left = _defer_flat(head, out, left, leftovers)
     _lp(head, out, left, options, progress, leftovers)
-    timings["lp"] = time.perf_counter() - clock
+    timings["lp"] = lp_first + time.perf_counter() - clock
 
     clock = time.perf_counter()
     sparsify(head, out)
@@ -294,6 +306,23 @@ def _lp(head: EngineHead, out: Decisions, left: np.ndarray, options: EngineOptio
             out.verdict[k] = INCONCLUSIVE
             out.bounds[k] = (max(result.margin, lower.get(k, -np.inf)),
                              min(result.residual, upper.get(k, np.inf)) if _upper_bounds_margin(head) else np.inf)
+
+
+def _lp_first(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray, options: EngineOptions,
+              progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The exact stage before the iterative ones (few dimensions); returns the tokens it leaves."""
+    tokens = left.tolist()
+    with _bar(len(tokens), "exact LP", progress) as bar:
+        results = lp_decide_all(head, tokens, {k: np.array([t]) for k, t in zip(tokens, threat.tolist())},
+                                options.lp_rounds, done=lambda k: bar.update(1))
+    for k in tokens:
+        result = results[k]
+        if result.verdict == "argmaxable":
+            set_witness(out, k, result.witness, result.margin, result.runner_up, "lp")
+        elif result.verdict == "unargmaxable":
+            set_convex(out, k, result.indices, result.weights, result.residual, result.bias_gap, "lp")
+    keep = out.verdict[left] == UNDECIDED
+    return left[keep], threat[keep]
 
 
 def _upper_bounds_margin(head: EngineHead) -> bool:
