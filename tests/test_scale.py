@@ -103,6 +103,29 @@ def test_newton_leaves_argmaxable_rows_alone(rng):
     assert found == {}
 
 
+@pytest.mark.parametrize("radius", [None, 0.5])
+def test_newton_offers_the_direction_its_theta_runs_off_along_as_a_witness(rng, radius):
+    """Outside the hull theta runs off along a direction in which the row leads: each vertex gets it as a
+    witness (moved into a ball), checked against Qhull and a plain re-check; rows inside get weights."""
+    from auditor.domain import Ball, Unbounded
+    from auditor.engine.head import build_engine_head
+    from auditor.engine.tilt import tilted_certificates
+    from oracles import qhull_argmaxable, witness_wins
+
+    W = gaussian_head(rng, 300, 5)
+    vertices = sorted(qhull_argmaxable(W))
+    inside = sorted(set(range(300)) - set(vertices))
+    weight = torch.from_numpy(W)
+    domain = Unbounded() if radius is None else Ball(radius)
+    head = build_engine_head(weight, None, duplicate_groups(weight, None), domain, 1e-10)
+    witnesses = {}
+    found = tilted_certificates(head, np.array(vertices[:40] + inside[:10]), witnesses=witnesses)
+    assert sorted(witnesses) == vertices[:40] and sorted(found) == inside[:10]
+    for k, (z, margin, runner_up) in witnesses.items():
+        assert witness_wins(W, None, k, z) and margin > 0
+        assert radius is None or np.linalg.norm(z) <= radius
+
+
 def test_hashed_duplicate_groups_match_numpy_unique(rng):
     W = rng.standard_normal((2000, 7)).astype(np.float32)
     copies = rng.integers(0, 2000, size=(150, 2))

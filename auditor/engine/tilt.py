@@ -50,6 +50,7 @@ import torch
 
 from auditor.engine.certify import check_convex, check_witnesses
 from auditor.engine.head import EngineHead
+from auditor.engine.rounding import per_unit_norm, safe_norm
 
 _BATCH = 16
 _CG_ITERATIONS = 60
@@ -65,9 +66,10 @@ def tilted_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 40,
                         witnesses: dict | None = None) -> dict[int, tuple[np.ndarray, np.ndarray, float, float]]:
     """Return ``{k: (indices, weights, residual, bias_gap)}`` for the tokens this settles by convex weights.
 
-    With a bias and a ``witnesses`` dict, the tokens whose tilted point wins (``_tilted_witnesses``) are put
-    there as ``{k: (witness, margin, runner_up)}`` (the margin a proven lower bound of the lead at the
-    witness, certify.check_witnesses) and tried at no further lean."""
+    With a ``witnesses`` dict, the tokens whose tilted point wins (``_tilted_witnesses``) are put there as
+    ``{k: (witness, margin, runner_up)}`` (the margin a proven lower bound of the lead at the witness,
+    certify.check_witnesses, per unit of ||z|| for an unbounded head without a bias, as set_witness takes
+    it) and tried at no further lean."""
     found = {}
     if len(ids) == 0 or head.n_competitors <= head.d:
         return found
@@ -79,7 +81,7 @@ def tilted_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 40,
             settled, reproduced, theta = _run_batch(head, batch, iterations, lean, lean_of, start)
             found.update(settled)
             won = {}
-            if witnesses is not None and lean_of is not None:
+            if witnesses is not None:
                 won = _tilted_witnesses(head, batch, theta, lean, lean_of, settled)
                 witnesses.update(won)
             # a larger lean only helps where w_k was reproduced and the bias gap alone failed; it starts
@@ -180,22 +182,32 @@ def _bias_lean(head: EngineHead) -> _Lean:
     return _Lean(unexplained / spread_u, spread_u, beta)
 
 
-def _tilted_witnesses(head: EngineHead, ids: np.ndarray, theta: torch.Tensor, lean: float, lean_of: _Lean,
+def _tilted_witnesses(head: EngineHead, ids: np.ndarray, theta: torch.Tensor, lean: float, lean_of: _Lean | None,
                       settled: dict) -> dict[int, tuple[np.ndarray, float, int]]:
     """``{k: (witness, margin, runner_up)}`` for the tokens of ``ids`` not ``settled`` whose tilted point wins.
 
-    With z = scale theta / lean - fit (_Lean.point), F(theta) = (lean / scale) (G(z) + u_k), where
+    With a bias and z = scale theta / lean - fit (_Lean.point), F(theta) = (lean / scale) (G(z) + u_k), where
     G(z) = t log sum_i exp((l_i(z) - l_k(z)) / t), t = scale / lean, is a smoothed maximum of the rivals'
     leads over k and at least their maximum. Wherever Newton has driven G below 0, k leads every rival
     at z, and at F's minimiser it has whenever k's best lead in R^d exceeds t log n: a row a little off
-    the mean of a LayerNorm-ed head whose bias is above what the rows around it reach. Each z is a
-    candidate, checked like any other witness (in a bounded domain it must lie inside)."""
+    the mean of a LayerNorm-ed head whose bias is above what the rows around it reach. Without a bias
+    F is G at z = theta with t = 1 when p = w_k (a ray's p lies beyond w_k): it has no minimiser when p is
+    outside the hull, and theta runs off along a direction in which p leads, and often k (any positive
+    multiple of it does too, so a bounded domain takes the one just inside). Each z is a candidate, checked like any other witness (in a
+    bounded domain it must lie inside)."""
     open_ = np.array([k not in settled for k in ids.tolist()], dtype=bool)
     if not open_.any():
         return {}
-    points = lean_of.point(theta[torch.as_tensor(open_, device=theta.device)], lean)
+    theta = theta[torch.as_tensor(open_, device=theta.device)]
+    if lean_of is not None:
+        points = lean_of.point(theta, lean)
+    else:
+        points = theta * head.domain.largest_scales(theta)[:, None] if head.domain.bounded else theta
     check = check_witnesses(head, ids[open_], points)
-    return {int(k): (points[j].cpu().numpy(), float(check.margin[j]), int(check.runner_up[j]))
+    margins = check.margin
+    if lean_of is None and not head.domain.bounded:  # an unbounded head without a bias quotes the unit ball
+        margins = per_unit_norm(margins, safe_norm(points, dim=1).cpu().numpy(), head.d)
+    return {int(k): (points[j].cpu().numpy(), float(margins[j]), int(check.runner_up[j]))
             for j, k in enumerate(ids[open_].tolist()) if check.certified[j]}
 
 
