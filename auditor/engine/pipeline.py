@@ -10,7 +10,8 @@
              the norm domain included, and boxes with the l1 norm, with a bias; the
              unbounded domain with a bias on a ladder of large balls)
 5. newton    maximum-entropy convex combinations by Newton's method (with a bias, leaning
-             towards the rows of larger bias); its first part runs before Frank-Wolfe: without
+             towards the rows of larger bias), and the point they are the smoothed leaders of as a
+             witness where it beats every rival; its first part runs before Frank-Wolfe: without
              a bias, rows whose ray from a rival passes through the origin (a row swallowed by
              a longer copy of itself) take one sparse certificate of the origin, found once
              (anchor.py)
@@ -269,10 +270,14 @@ def _anchored(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.nda
 
 
 def _newton(head: EngineHead, out: Decisions, left: np.ndarray, options: EngineOptions, progress: bool) -> np.ndarray:
+    witnesses = {}  # the points Newton runs to, where they beat every rival (checked like any witness)
     with _bar(len(left), "newton", progress) as bar:
-        settled = tilted_certificates(head, left, options.newton_iterations, progress=bar)
+        settled = tilted_certificates(head, left, options.newton_iterations, progress=bar, witnesses=witnesses)
     for k, (indices, weights, residual, gap) in settled.items():
         set_convex(out, k, indices, weights, residual, gap, "newton")
+    for k, (witness, margin, runner_up) in witnesses.items():
+        if out.verdict[k] == UNDECIDED:
+            set_witness(out, k, witness, margin, runner_up, "newton")
     return left[out.verdict[left] == UNDECIDED]
 
 
