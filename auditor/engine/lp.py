@@ -198,11 +198,12 @@ def _witness_from(head: EngineHead, k: int, z: np.ndarray) -> np.ndarray:
 def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
     """Sharpen approximate convex weights into an exact combination on their support.
 
-    Tries, cheapest first, the weights as given, a vertex of the combinations on their support
-    re-solved exactly on its basis, the non-negative least-squares solution on it and (on small
-    supports) the affine solve on it; returns the accepted candidate with the smallest residual as
-    (indices, weights, check), or the best rejected one. A candidate accepted with residual zero
-    ends the search: none can do better.
+    Tries the weights as given, a vertex of the combinations on their support re-solved exactly on
+    its basis, the non-negative least-squares solution on it and (on small supports) the affine
+    solve on it; returns the accepted candidate with the smallest residual as (indices, weights,
+    check), or the best rejected one. A candidate accepted with residual zero ends the search (none
+    can do better), and on a support of more than 2 (d + 2) rows any accepted one does, the least
+    squares going before the vertex LP there.
     """
     keep = weights > weights.max() * 1e-12
     support = indices[keep]
@@ -216,7 +217,12 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
             best = (idx[nz], w[nz], check)
         return check.accepted and check.residual == 0
 
+    # on a large support (Frank-Wolfe's) any accepted candidate ends the search: Carathéodory reduces it later,
+    # and the vertex LP on hundreds of rows is the costly candidate
+    large = support.size > _LARGE_SUPPORT * (head.d + 2)
     if tried(support, weights[keep] / weights[keep].sum()):
+        return best
+    if large and best[2].accepted:
         return best
     rows = head.rows(support)
     w_k = head.rows([k])[0]
@@ -224,18 +230,26 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
     scale = max(float(np.abs(Y).max()), np.finfo(np.float64).tiny)
     system = np.vstack([Y, np.full((1, support.size), scale)])
     target = np.concatenate([np.zeros(head.d), [scale]])
-    # A vertex of {alpha >= 0 : sum alpha_i w_i = w_k, sum alpha = 1} with the largest sum alpha_i b_i,
-    # re-solved exactly on its (at most d + 1 rows) basis: sparse, and it keeps the bias gap negative.
-    vertex = scipy.optimize.linprog(-head.biases(support), A_eq=system, b_eq=target, bounds=(0, None), method="highs")
-    if vertex.status == 0:
-        basis = vertex.x > vertex.x.max() * 1e-12
+
+    def least_squares() -> bool:
+        # min ||Y b||^2 + (sum b - 1)^2 over b >= 0 has b* = t alpha* for the min-norm weights alpha*.
+        beta = scipy.optimize.nnls(system, target, maxiter=50 * max(support.size, 10))[0]
+        return beta.sum() > 0 and (tried(support, beta / beta.sum()) or (large and best[2].accepted))
+
+    def vertex() -> bool:
+        # A vertex of {alpha >= 0 : sum alpha_i w_i = w_k, sum alpha = 1} with the largest sum alpha_i b_i,
+        # re-solved exactly on its (at most d + 1 rows) basis: sparse, and it keeps the bias gap negative.
+        found = scipy.optimize.linprog(-head.biases(support), A_eq=system, b_eq=target, bounds=(0, None),
+                                       method="highs")
+        if found.status != 0:
+            return False
+        basis = found.x > found.x.max() * 1e-12
         exact = np.linalg.lstsq(system[:, basis], target, rcond=None)[0]
-        if np.all(exact >= 0) and exact.sum() > 0 and tried(support[basis], exact / exact.sum()):
+        return bool(np.all(exact >= 0) and exact.sum() > 0 and tried(support[basis], exact / exact.sum()))
+
+    for candidate in ((least_squares, vertex) if large else (vertex, least_squares)):
+        if candidate():
             return best
-    # min ||Y b||^2 + (sum b - 1)^2 over b >= 0 has b* = t alpha* for the min-norm weights alpha*.
-    beta = scipy.optimize.nnls(system, target, maxiter=50 * max(support.size, 10))[0]
-    if beta.sum() > 0 and tried(support, beta / beta.sum()):
-        return best
     if support.size <= _AFFINE_ROWS * (head.d + 1):  # on many rows the least-norm solve is rarely non-negative
         affine = np.linalg.lstsq(system, target, rcond=None)[0]
         if np.all(affine >= 0) and affine.sum() > 0 and tried(support, affine / affine.sum()):
@@ -254,6 +268,7 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
 
 
 _AFFINE_ROWS = 2  # supports up to this many times d + 1 rows get the affine solve
+_LARGE_SUPPORT = 2  # supports beyond this many times d + 2 rows take the first accepted candidate
 
 
 def _snapped(weights: np.ndarray, denominator: int = 1 << 12) -> np.ndarray | None:
