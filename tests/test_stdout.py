@@ -50,12 +50,16 @@ def test_quiet_stdout_silences_what_native_code_writes_to_descriptor_1():
     assert done.returncode == 0 and done.stdout == "report\n", done.stdout
 
 
-def test_with_debug_the_solvers_own_lines_go_to_stderr_and_stdout_stays_json():
-    done = subprocess.run([sys.executable, "-m", "auditor", DEMO, "--format", "json", "--quiet", "--debug"],
-                          cwd=ROOT, capture_output=True, text=True)
+def test_with_debug_the_solvers_own_lines_go_to_stderr_and_stdout_stays_json(tmp_path):
+    # a head of two dimensions: its tokens past the screen go to the exact LP first (HiGHS)
+    angles = np.linspace(0, 2 * np.pi, 40, endpoint=False)
+    rows = np.vstack([np.stack([np.cos(angles), np.sin(angles)], axis=1), [[0.3, 0.2], [0.99, 0.0]]])
+    np.save(tmp_path / "head.npy", rows)
+    done = subprocess.run([sys.executable, "-m", "auditor", str(tmp_path / "head.npy"), "--format", "json", "--quiet",
+                           "--debug"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 1, done.stderr
     report = json.loads(done.stdout)
-    assert report["timing"]["lp_s"] > 0
+    assert report["timing"]["lp_s"] > 0 and report["timing"]["frank_wolfe_s"] < 1e-3
     assert "HiGHS" in done.stderr  # the banner the LP solver prints on its standard output
 
 
