@@ -292,22 +292,30 @@ def _defer_flat(head: EngineHead, out: Decisions, left: np.ndarray, leftovers: _
     return left[~flat]
 
 
-def _lp(head: EngineHead, out: Decisions, left: np.ndarray, options: EngineOptions, progress: bool,
-        leftovers: _Leftovers) -> None:
-    """The exact stage for every token left (lp.lp_decide_all: constraint generation, then the LP over all
-    rows); what it cannot prove is inconclusive, with its bounds."""
-    lower, upper = leftovers.lower, leftovers.upper
-    tokens = left.tolist()
+def _exact(head: EngineHead, out: Decisions, tokens: list[int], seeds: dict[int, np.ndarray], options: EngineOptions,
+           progress: bool) -> dict:
+    """Run the exact stage (lp.lp_decide_all) on ``tokens`` and record what it proves; returns every outcome."""
     with _bar(len(tokens), "exact LP", progress) as bar:
-        results = lp_decide_all(head, tokens, {k: np.concatenate(leftovers.seeds[k]) for k in tokens},
-                                options.lp_rounds, done=lambda k: bar.update(1))
+        results = lp_decide_all(head, tokens, seeds, options.lp_rounds, done=lambda k: bar.update(1))
     for k in tokens:
         result = results[k]
         if result.verdict == "argmaxable":
             set_witness(out, k, result.witness, result.margin, result.runner_up, "lp")
         elif result.verdict == "unargmaxable":
             set_convex(out, k, result.indices, result.weights, result.residual, result.bias_gap, "lp")
-        else:
+    return results
+
+
+def _lp(head: EngineHead, out: Decisions, left: np.ndarray, options: EngineOptions, progress: bool,
+        leftovers: _Leftovers) -> None:
+    """The exact stage for every token left (lp.lp_decide_all: constraint generation, then the LP over all
+    rows); what it cannot prove is inconclusive, with its bounds."""
+    lower, upper = leftovers.lower, leftovers.upper
+    tokens = left.tolist()
+    results = _exact(head, out, tokens, {k: np.concatenate(leftovers.seeds[k]) for k in tokens}, options, progress)
+    for k in tokens:
+        result = results[k]
+        if result.verdict is None:
             out.verdict[k] = INCONCLUSIVE
             out.bounds[k] = (max(result.margin, lower.get(k, -np.inf)),
                              min(result.residual, upper.get(k, np.inf)) if _upper_bounds_margin(head) else np.inf)
@@ -317,15 +325,7 @@ def _lp_first(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.nda
               progress: bool) -> tuple[np.ndarray, np.ndarray]:
     """The exact stage before the iterative ones (few dimensions); returns the tokens it leaves."""
     tokens = left.tolist()
-    with _bar(len(tokens), "exact LP", progress) as bar:
-        results = lp_decide_all(head, tokens, {k: np.array([t]) for k, t in zip(tokens, threat.tolist())},
-                                options.lp_rounds, done=lambda k: bar.update(1))
-    for k in tokens:
-        result = results[k]
-        if result.verdict == "argmaxable":
-            set_witness(out, k, result.witness, result.margin, result.runner_up, "lp")
-        elif result.verdict == "unargmaxable":
-            set_convex(out, k, result.indices, result.weights, result.residual, result.bias_gap, "lp")
+    _exact(head, out, tokens, {k: np.array([t]) for k, t in zip(tokens, threat.tolist())}, options, progress)
     keep = out.verdict[left] == UNDECIDED
     return left[keep], threat[keep]
 
