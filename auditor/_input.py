@@ -126,11 +126,12 @@ def prepare_token_ids(tokens: Iterable[int] | None, n: int) -> np.ndarray:
     return ids
 
 
-def check_options(residual_tol: float, frank_wolfe_iterations: int, lp_rounds: int, newton_iterations: int = 40) -> None:
+def check_options(residual_tol: float, frank_wolfe_iterations: int, lp_rounds: int, newton_iterations: int = 40,
+                  min_norm_rounds: int = 40) -> None:
     """Refuse engine settings that would make verdicts meaningless or the run endless."""
     if not (isinstance(residual_tol, (int, float)) and 0 < residual_tol <= LARGEST_RESIDUAL_TOL):
         raise InputError(f"residual_tol must be in (0, {LARGEST_RESIDUAL_TOL:g}], got {residual_tol!r}")
     for name, value in (("frank_wolfe_iterations", frank_wolfe_iterations), ("lp_rounds", lp_rounds),
-                        ("newton_iterations", newton_iterations)):
+                        ("newton_iterations", newton_iterations), ("min_norm_rounds", min_norm_rounds)):
         if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1_000_000):
             raise InputError(f"{name} must be a non-negative integer, got {value!r}")

@@ -32,7 +32,7 @@ def _row_reader(weight):
 def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str = "auto",
           tokens: Iterable[int] | None = None, progress: bool = True, final_norm: FinalNorm | None = None,
           probability_ceiling: bool = False, residual_tol: float = 1e-10, frank_wolfe_iterations: int = 100,
-          lp_rounds: int = 10, newton_iterations: int = 40, threads: int | None = None,
+          lp_rounds: int = 10, newton_iterations: int = 40, min_norm_rounds: int = 40, threads: int | None = None,
           bfloat16_entries: int | None = None, whitened_entries: int | None = None) -> AuditReport:
     """Decide which tokens of a head can be the strict argmax of its logits ``W z + b``.
 
@@ -53,7 +53,9 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     on a working set of rivals). ``lp_rounds`` is the most rounds of constraint
     generation the exact LP runs for one token before it solves the LP over all rows
     (warm, from the basis the rounds reached), so no token the plain LP decides is
-    left inconclusive; 0 skips the stage.
+    left inconclusive; 0 skips the stage. ``min_norm_rounds`` bounds the rounds of Wolfe's
+    fully corrective minimum-norm method that heads of 9 to 256 dimensions in the unbounded
+    domain run before Frank-Wolfe (docs/method.md, stage 4a); 0 skips it.
 
     ``bfloat16_entries`` and ``whitened_entries`` are the head sizes (n d) from which the screen runs
     its bfloat16 pass and tries whitened witnesses (docs/method.md, stage 1); None takes the engine's
@@ -75,7 +77,7 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     before deciding anything.
     """
     started = time.perf_counter()
-    check_options(residual_tol, frank_wolfe_iterations, lp_rounds, newton_iterations)
+    check_options(residual_tol, frank_wolfe_iterations, lp_rounds, newton_iterations, min_norm_rounds)
     parsed_domain = parse_domain(domain)
     factorisation = None
     if is_factor_pair(weight):  # W = U @ V is decided exactly as U (see auditor/factorised.py)
@@ -87,7 +89,8 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     w, b64, dtype = prepare_inputs(weight, bias, chosen)
     ids = prepare_token_ids(tokens, w.shape[0])
     options = EngineOptions(frank_wolfe_iterations=frank_wolfe_iterations, lp_rounds=lp_rounds,
-                            newton_iterations=newton_iterations, residual_tol=residual_tol,
+                            newton_iterations=newton_iterations, min_norm_rounds=min_norm_rounds,
+                            residual_tol=residual_tol,
                             **{name: value for name, value in (("bfloat16_entries", bfloat16_entries),
                                                                ("whitened_entries", whitened_entries))
                                if value is not None})

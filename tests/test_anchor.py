@@ -17,9 +17,10 @@ import auditor.engine.pipeline as pipeline
 
 @pytest.fixture(autouse=True)
 def _iterative_stages_in_few_dimensions(monkeypatch):
-    """These heads are small enough that the exact LP would go first (pipeline._DIRECT_LP_WIDTH); the tests
-    are of the iterative stages, so every width takes them."""
+    """These heads are small enough that the exact LP (pipeline._DIRECT_LP_WIDTH) or the minimum-norm rounds
+    (corrective.WIDTH) would go first; the tests are of Frank-Wolfe and Newton, so every width takes them."""
     monkeypatch.setattr(pipeline, "_DIRECT_LP_WIDTH", 0)
+    monkeypatch.setattr(pipeline.corrective, "WIDTH", 0)
 
 
 def trained_like(rng, n, d, offset):

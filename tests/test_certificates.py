@@ -110,7 +110,8 @@ def test_the_exact_stage_alone_reaches_the_same_verdicts(rng):
 def test_an_exhausted_budget_gives_inconclusive_with_bounds_not_a_guess(rng):
     base = rng.standard_normal((200, 8))
     W = np.vstack([base, 0.999 * base[0] + 0.001 * base[1:9].mean(axis=0)])  # just inside, near a vertex
-    report = auditor.audit(W, progress=False, frank_wolfe_iterations=3, newton_iterations=0, lp_rounds=0)
+    report = auditor.audit(W, progress=False, frank_wolfe_iterations=3, newton_iterations=0, lp_rounds=0,
+                           min_norm_rounds=0)
     token = report.tokens[200]
     assert token.verdict == "inconclusive"
     assert token.witness is None and token.convex_indices is None

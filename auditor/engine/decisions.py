@@ -13,7 +13,7 @@ import numpy as np
 
 UNDECIDED, ARGMAXABLE, UNARGMAXABLE, TIED, INCONCLUSIVE = range(5)
 VERDICT_NAMES = ("undecided", "argmaxable", "unargmaxable", "tied", "inconclusive")
-STAGES = ("", "single row", "screen", "interior", "frank-wolfe", "lp", "unbounded hull", "newton", "ceiling")
+STAGES = ("", "single row", "screen", "interior", "frank-wolfe", "lp", "unbounded hull", "newton", "ceiling", "min-norm")
 
 
 @dataclass

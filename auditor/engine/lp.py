@@ -195,7 +195,7 @@ def _witness_from(head: EngineHead, k: int, z: np.ndarray) -> np.ndarray:
     return z * scale
 
 
-def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
+def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray, first_accepted: bool = False):
     """Sharpen approximate convex weights into an exact combination on their support.
 
     Tries the weights as given, a vertex of the combinations on their support re-solved exactly on
@@ -203,7 +203,8 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
     solve on it; returns the accepted candidate with the smallest residual as (indices, weights,
     check), or the best rejected one. A candidate accepted with residual zero ends the search (none
     can do better), and on a support of more than 2 (d + 2) rows any accepted one does, the least
-    squares going before the vertex LP there.
+    squares going before the vertex LP there; with ``first_accepted`` any accepted one does on every
+    support (weights from an exact solve, whose residual is rounding already).
     """
     keep = weights > weights.max() * 1e-12
     support = indices[keep]
@@ -222,7 +223,7 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray):
     large = support.size > _LARGE_SUPPORT * (head.d + 2)
     if tried(support, weights[keep] / weights[keep].sum()):
         return best
-    if large and best[2].accepted:
+    if (large or first_accepted) and best[2].accepted:
         return best
     rows = head.rows(support)
     w_k = head.rows([k])[0]

@@ -5,6 +5,9 @@
              heads: without a bias, or with one in a bounded domain); on large heads without a
              bias, z = s C^+ (w_k - c) for the few left
 3. interior  a closed-form convex combination for rows deep inside the hull
+3a. min-norm  heads of at most 256 dimensions in R^d: Wolfe's fully corrective minimum-norm
+             method on the lifted rows (w_i, lambda b_i), a non-negative least squares on a pool
+             of rows per round, priced against the whole head (corrective.py)
 4. frank-wolfe  batched pairwise Frank-Wolfe on the min-norm problem (no bias), or on
              the domain's dual r ||w_k - sum alpha_i w_i|| + sum alpha_i (b_k - b_i) (balls,
              the norm domain included, and boxes with the l1 norm, with a bias; the
@@ -41,6 +44,7 @@ from tqdm import tqdm
 from auditor.domain import Ball, Domain
 from auditor.engine import head as head_module
 from auditor.engine.anchor import anchored_certificates
+from auditor.engine import corrective
 from auditor.engine.bounded_dual import bounded_dual
 from auditor.engine.decisions import (ARGMAXABLE, INCONCLUSIVE, STAGES, UNDECIDED, Decisions, set_convex,
                                       set_witness, spread_to_groups, undecided)
@@ -63,6 +67,7 @@ _DIRECT_LP_WIDTH = 8  # heads of at most this width go from the interior stage s
 class EngineOptions:
     frank_wolfe_iterations: int = 100
     newton_iterations: int = 40
+    min_norm_rounds: int = 40  # rounds of the fully corrective minimum-norm method per token (corrective.py)
     lp_rounds: int = 10  # rounds of constraint generation per token before the LP over all rows (lp.py)
     residual_tol: float = 1e-10
     defer_flat: bool = False  # bounded domains: leave tokens whose dual value is zero up to the tolerance
@@ -145,9 +150,16 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     if len(left) and options.newton_iterations > 0:
         left, threat = _anchored(head, out, left, threat, options)
     anchored = time.perf_counter() - clock
+    clock = time.perf_counter()
+    pools = {}
+    if (len(left) and options.min_norm_rounds > 0 and head.d <= corrective.WIDTH
+            and not head.domain.bounded):
+        left, threat, pools = _min_norm(head, out, left, threat, options, progress)
+    timings["min_norm"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    leftovers = _Leftovers({int(k): [np.array([t])] for k, t in zip(left, threat)}, {}, {})
+    leftovers = _Leftovers({int(k): [np.array([t])] + ([pools[int(k)]] if int(k) in pools else [])
+                            for k, t in zip(left, threat)}, {}, {})
     if len(left) and options.frank_wolfe_iterations > 0:
         left = _frank_wolfe(head, out, left, threat, options, progress, leftovers)
     timings["frank_wolfe"] = time.perf_counter() - clock
@@ -259,6 +271,20 @@ def _homogenising_radii(head: EngineHead) -> list[float]:
         return [1.0]
     base = max(head.max_abs_bias, 1e-3 * head.typical_spread) / head.typical_spread
     return [4 * base, 256 * base, 16384 * base]
+
+
+def _min_norm(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray, options: EngineOptions,
+              progress: bool) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Wolfe's fully corrective rounds (corrective.py); returns the tokens left and their last pools."""
+    with _bar(len(left), "min-norm", progress) as bar:
+        certificates, witnesses, pools = corrective.corrective_certificates(
+            head, left, threat, rounds=options.min_norm_rounds, done=lambda k: bar.update(1))
+    for k, (indices, weights, residual, gap) in certificates.items():
+        set_convex(out, k, indices, weights, residual, gap, "min-norm")
+    for k, found in witnesses.items():
+        set_witness(out, k, found.witness, found.margin, found.runner_up, "min-norm")
+    keep = out.verdict[left] == UNDECIDED
+    return left[keep], threat[keep], pools
 
 
 def _anchored(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray, options: EngineOptions
