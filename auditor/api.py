@@ -54,8 +54,8 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     generation the exact LP runs for one token before it solves the LP over all rows
     (warm, from the basis the rounds reached), so no token the plain LP decides is
     left inconclusive; 0 skips the stage. ``min_norm_rounds`` bounds the rounds of Wolfe's
-    fully corrective minimum-norm method that heads of 9 to 256 dimensions in the unbounded
-    domain run before Frank-Wolfe (docs/method.md, stage 4a); 0 skips it.
+    fully corrective minimum-norm method that heads of at most 256 dimensions run in the
+    unbounded domain before the full Frank-Wolfe stage (docs/method.md, stage 2a); 0 skips it.
 
     ``bfloat16_entries`` and ``whitened_entries`` are the head sizes (n d) from which the screen runs
     its bfloat16 pass and tries whitened witnesses (docs/method.md, stage 1); None takes the engine's

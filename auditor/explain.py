@@ -97,6 +97,9 @@ def explain(head: Head, report: AuditReport, findings: list[Finding]) -> list[st
     # a search over the whole head (one product with it per finding) is kept for a few of the others.
     parallel = _parallel_among(weight, {f.id: [c.id for c in f.competitors] for f in rest})
     parallel.update(_most_parallel(weight, [f.id for f in rest if f.id not in parallel][:_PARALLEL_SEARCH]))
+    if head.bias is not None:  # the longer copy outscores k only where its bias is at least k's
+        bias = as_tensor(head.bias, "the bias").to(torch.float64)
+        parallel = {k: (j, ratio) for k, (j, ratio) in parallel.items() if bias[k] <= bias[j]}
     for finding in findings:
         plain, geometry = _explain_one(head, report, finding, distance.get(finding.id), parallel.get(finding.id))
         finding.next_step = _TIE_STEPS[finding.greedy] if finding.kind == "copy" else NEXT_STEPS[finding.kind]
@@ -134,7 +137,7 @@ def _explain_one(head: Head, report: AuditReport, finding: Finding, distance: fl
         j, ratio = parallel
         finding.kind = "shorter copy"
         return (f"never produced: {_name(head, j)} scores higher wherever it could lead",
-                f"a shorter copy of row {_name(head, j)}: {ratio:.6g} times its length")
+                f"a shorter copy of row {_name(head, j)}: {_times(ratio)} its length")
     if report.domain.bounded and finding.residual is not None and finding.residual < 0:
         finding.kind = "domain"
         return (f"never produced {_where(report.domain)}",
@@ -161,6 +164,13 @@ def _distance_from_mean(weight: torch.Tensor, ids: list[int]) -> dict[int, float
     offsets = torch.linalg.vector_norm(weight[ids].to(torch.float64) - centre, dim=1)
     scale = spread if spread > 0 else 1.0
     return {k: float(v) / scale for k, v in zip(ids, offsets.tolist())}
+
+
+def _times(ratio: float) -> str:
+    """'0.5 times', or for a copy shorter only by rounding '1 - 7.1e-10 times' (6 digits would print 1)."""
+    if ratio < 1 - 1e-5:
+        return f"{ratio:.6g} times"
+    return f"1 - {1 - ratio:.2g} times"
 
 
 def _shorter_copy(w_k: torch.Tensor, w_j: torch.Tensor) -> float | None:

@@ -69,7 +69,8 @@ class _Lifted:
     def __init__(self, head: EngineHead):
         self.head = head
         self.has_bias = head.bias is not None
-        spread = max(head.typical_spread, np.finfo(np.float64).tiny)
+        # rows all one point have no spread: any positive scale will do (the bias alone decides)
+        spread = head.typical_spread or head.max_spread or 1.0
         # the bias coordinate at the rows' scale: neither part then dominates the residual's length
         self.scale = spread / head.max_abs_bias if self.has_bias and head.max_abs_bias > 0 else 1.0
         self.spread = spread
@@ -122,9 +123,9 @@ def _decide(problem: _Lifted, k: int, threat: int, rounds: int, add: int):
         gain = problem.gains(y, k)
         gain_k = float(l_k @ y)
         if np.max(gain) < gain_k:  # y separates l_k from every rival: a witness, or a direction to scale along
-            y_w, y_b = y[:d], (y[d] if problem.has_bias else 0.0)
-            z = y_w / (problem.scale * y_b) if problem.has_bias and y_b > 0 else y_w
-            if _try_witness(head, k, z, outcome):
+            # z = y_w / (lambda y_b) when y_b > 0, y_w itself when y_b = 0: either way the direction y_w, along
+            # which _try_witness finds the best scale
+            if _try_witness(head, k, y[:d], outcome):
                 return "argmaxable", outcome, None
             break  # separated only up to rounding: the next stages decide it
         gain[pool] = -np.inf
@@ -152,7 +153,7 @@ def _nearest(Y: np.ndarray, ray: bool):
     the sum's equation as stiff as the others. Returns (alpha, g / t, residual Y alpha - (g / t) e),
     or (None, None, None) when the solve fails."""
     dims, m = Y.shape
-    scale = max(float(np.abs(Y).max()), np.finfo(np.float64).tiny)
+    scale = float(np.abs(Y).max()) or 1.0
     columns = [Y]
     if ray:
         down = np.zeros((dims, 1))
@@ -162,7 +163,7 @@ def _nearest(Y: np.ndarray, ray: bool):
     target = np.append(np.zeros(dims), scale)
     try:
         beta = scipy.optimize.nnls(system, target, maxiter=50 * system.shape[1])[0]
-    except RuntimeError:  # the iteration limit: the pool is left to the next stages
+    except (RuntimeError, ValueError):  # the iteration limit, or a non-finite entry: left to the next stages
         return None, None, None
     total = beta[:m].sum()
     if not total > 0:

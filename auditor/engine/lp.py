@@ -203,7 +203,7 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray, f
     solve on it; returns the accepted candidate with the smallest residual as (indices, weights,
     check), or the best rejected one. A candidate accepted with residual zero ends the search (none
     can do better), and on a support of more than 2 (d + 2) rows any accepted one does, the least
-    squares going before the vertex LP there; with ``first_accepted`` any accepted one does on every
+    squares going before the vertex LP there; with ``first_accepted`` any accepted one ends it on every
     support (weights from an exact solve, whose residual is rounding already).
     """
     keep = weights > weights.max() * 1e-12
@@ -216,26 +216,26 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray, f
         check = check_convex(head, k, idx[nz], w[nz])
         if best is None or (not check.accepted, check.residual) < (not best[2].accepted, best[2].residual):
             best = (idx[nz], w[nz], check)
-        return check.accepted and check.residual == 0
+        return check.accepted and (check.residual == 0 or enough)
 
     # on a large support (Frank-Wolfe's) any accepted candidate ends the search: Carathéodory reduces it later,
     # and the vertex LP on hundreds of rows is the costly candidate
     large = support.size > _LARGE_SUPPORT * (head.d + 2)
+    enough = large or first_accepted  # any accepted candidate ends the search
     if tried(support, weights[keep] / weights[keep].sum()):
-        return best
-    if (large or first_accepted) and best[2].accepted:
         return best
     rows = head.rows(support)
     w_k = head.rows([k])[0]
     Y = (rows - w_k).T  # d x |S|
-    scale = max(float(np.abs(Y).max()), np.finfo(np.float64).tiny)
+    # the sum's row at the rows' scale; rows all equal to w_k (copies of its weights, other biases) leave Y zero
+    scale = float(np.abs(Y).max()) or 1.0
     system = np.vstack([Y, np.full((1, support.size), scale)])
     target = np.concatenate([np.zeros(head.d), [scale]])
 
     def least_squares() -> bool:
         # min ||Y b||^2 + (sum b - 1)^2 over b >= 0 has b* = t alpha* for the min-norm weights alpha*.
         beta = scipy.optimize.nnls(system, target, maxiter=50 * max(support.size, 10))[0]
-        return beta.sum() > 0 and (tried(support, beta / beta.sum()) or (large and best[2].accepted))
+        return beta.sum() > 0 and tried(support, beta / beta.sum())
 
     def vertex() -> bool:
         # A vertex of {alpha >= 0 : sum alpha_i w_i = w_k, sum alpha = 1} with the largest sum alpha_i b_i,
