@@ -6,7 +6,7 @@
              bias, z = s C^+ (w_k - c) for the few left
 3. interior  a closed-form convex combination for rows deep inside the hull
 3a. min-norm  heads of at most 256 dimensions in R^d (after the LP of few dimensions and the
-             origin's route below): a few Frank-Wolfe iterations for witnesses, then Wolfe's fully
+             origin's route below): without a bias a few Frank-Wolfe iterations for witnesses, then Wolfe's fully
              corrective minimum-norm method on the lifted rows (w_i, lambda b_i), a non-negative
              least squares on a pool of rows per round, priced against the whole head (corrective.py)
 4. frank-wolfe  batched pairwise Frank-Wolfe on the min-norm problem (no bias), or on
@@ -156,7 +156,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     pools, quick = {}, 0.0
     if (len(left) and options.min_norm_rounds > 0 and head.d <= corrective.WIDTH
             and not head.domain.bounded):
-        if options.frank_wolfe_iterations > 0 and _QUICK_ITERATIONS > 0:
+        if head.bias is None and options.frank_wolfe_iterations > 0 and _QUICK_ITERATIONS > 0:
             left, threat = _quick_witnesses(head, out, left, threat, progress)
         quick = time.perf_counter() - clock
         left, threat, pools = _min_norm(head, out, left, threat, options, progress)
@@ -280,22 +280,16 @@ def _homogenising_radii(head: EngineHead) -> list[float]:
 
 def _quick_witnesses(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray, progress: bool
                      ) -> tuple[np.ndarray, np.ndarray]:
-    """A few batched Frank-Wolfe iterations for witnesses only (no weights are polished): a token that wins
-    at an early iterate costs a fraction of a round of the minimum-norm method, which must reach the
-    nearest point before its direction separates."""
-    if head.bias is None:
-        with _bar(len(left), "frank-wolfe (witnesses)", progress) as bar:
-            outcomes = frank_wolfe(head, left, threat, _QUICK_ITERATIONS, bar)
-        settle = settle_frank_wolfe
-    else:
-        with _bar(len(left), "frank-wolfe (witnesses)", progress) as bar:
-            outcomes = bounded_dual(head, left, threat, _DUAL_FACTOR * _QUICK_ITERATIONS, bar,
-                                    domain=Ball(_homogenising_radii(head)[0]))
-        settle = settle_dual
+    """A few batched Frank-Wolfe iterations (no bias) for witnesses only, no weights polished: a token that
+    wins at an early iterate costs a fraction of a round of the minimum-norm method, which must reach the
+    nearest point before its direction separates. (With a bias the dual's first iterations found no
+    cheaper witnesses than the rounds: docs/performance.md.)"""
+    with _bar(len(left), "frank-wolfe (witnesses)", progress) as bar:
+        outcomes = frank_wolfe(head, left, threat, _QUICK_ITERATIONS, bar)
     for outcome in outcomes:
         if not outcome.certified:
             outcome.support = outcome.support[:0]
-    settle(head, out, left, outcomes, {}, {}, {})
+    settle_frank_wolfe(head, out, left, outcomes, {}, {}, {})
     keep = out.verdict[left] == UNDECIDED
     return left[keep], threat[keep]
 
