@@ -137,7 +137,7 @@ def _explain_one(head: Head, report: AuditReport, finding: Finding, distance: fl
         j, ratio = parallel
         finding.kind = "shorter copy"
         return (f"never produced: {_name(head, j)} scores higher wherever it could lead",
-                f"a shorter copy of row {_name(head, j)}: {_times(ratio)} its length")
+                f"a shorter copy of row {_name(head, j)}{_shorter_by(ratio)}")
     if report.domain.bounded and finding.residual is not None and finding.residual < 0:
         finding.kind = "domain"
         return (f"never produced {_where(report.domain)}",
@@ -166,11 +166,12 @@ def _distance_from_mean(weight: torch.Tensor, ids: list[int]) -> dict[int, float
     return {k: float(v) / scale for k, v in zip(ids, offsets.tolist())}
 
 
-def _times(ratio: float) -> str:
-    """'0.5 times', or for a copy shorter only by rounding '1 - 7.1e-10 times' (6 digits would print 1)."""
+def _shorter_by(ratio: float) -> str:
+    """': 0.5 times its length', or for a copy shorter only by rounding ', by 7.1e-10 of its length' (six
+    digits of the ratio would print 1)."""
     if ratio < 1 - 1e-5:
-        return f"{ratio:.6g} times"
-    return f"1 - {1 - ratio:.2g} times"
+        return f": {ratio:.6g} times its length"
+    return f", by {1 - ratio:.2g} of its length"
 
 
 def _shorter_copy(w_k: torch.Tensor, w_j: torch.Tensor) -> float | None:

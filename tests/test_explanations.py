@@ -159,7 +159,7 @@ def test_copies_at_the_exact_mean_are_named_mean_initialised_and_none_of_them_is
 
 def test_a_copy_shorter_only_by_rounding_says_so_and_a_larger_bias_is_no_shorter_copy():
     """Row 50 is row 3 times 1 - 2^-30 (a copy that training left unchanged, up to rounding): the text must not
-    read "1 times its length". With a bias, row 51 (0.5 times row 4) is a shorter copy only while its bias is
+    read "1 times its length" (six digits of the ratio). With a bias, row 51 (0.5 times row 4) is a shorter copy only while its bias is
     at most row 4's; raised above it, row 51 wins near z = 0 unless other rows beat it there, and the text
     must not name row 4 as the row that outscores it."""
     rng = np.random.default_rng(3)
@@ -174,6 +174,6 @@ def test_a_copy_shorter_only_by_rounding_says_so_and_a_larger_bias_is_no_shorter
         head = Head(weight=W, bias=b, tokens=[f"t{k}" for k in range(52)], token_source="given")
         found = by_id(run_gate(head, auditor.audit(W, b, progress=False)))
         assert found[50].kind == "shorter copy"
-        assert "1 - 9.3e-10 times its length" in found[50].explanation
+        assert "a shorter copy of row 3 't3', by 9.3e-10 of its length" in found[50].explanation
         assert found[51].verdict == "unargmaxable"
         assert (found[51].kind == "shorter copy") == (not raised)
