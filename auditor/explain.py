@@ -60,6 +60,9 @@ NEXT_STEPS = {
             "copies kept as aliases are accepted (--allow)",
     "shorter copy": "the model can never produce these tokens: the longer row scores higher wherever they could "
                     "lead; usually the rows are trained or re-initialised",
+    "untrained": "the model can never produce these tokens: they were added to the vocabulary and their rows have "
+                 "not been trained; include the tokens in training targets (examples whose labels use them), "
+                 "train, and audit again",
     "hull": "the model can never produce these tokens, whatever the context: other tokens always score at least "
             "as high; usually these are rare or unused tokens, accepted (--allow) when they are not meant to be "
             "generated, else their rows are trained or re-initialised",
@@ -82,9 +85,11 @@ _TIE_STEPS = {
 }
 
 
-def explain(head: Head, report: AuditReport, findings: list[Finding]) -> list[str]:
+def explain(head: Head, report: AuditReport, findings: list[Finding], first_added: int | None = None) -> list[str]:
     """Set ``explanation``, ``kind`` and ``next_step`` on every finding; return the summary lines, one per kind
-    (next_steps(findings) gives what to do about each, in the same order)."""
+    (next_steps(findings) gives what to do about each, in the same order). Ids from ``first_added`` on were
+    added to the vocabulary (past a baseline's, or the tokenizer model's own): an unargmaxable one is a row
+    not trained yet, never a rare token."""
     if not findings:
         return []
     weight = as_tensor(head.weight, "the weight")
@@ -100,7 +105,14 @@ def explain(head: Head, report: AuditReport, findings: list[Finding]) -> list[st
     if head.bias is not None:  # the longer copy outscores k only where its bias is at least k's
         bias = as_tensor(head.bias, "the bias").to(torch.float64)
         parallel = {k: (j, ratio) for k, (j, ratio) in parallel.items() if bias[k] <= bias[j]}
+    added = [f.id for f in unargmaxable if first_added is not None and f.id >= first_added]
+    from_base = _distance_from_mean(weight, added, base=first_added) if added else {}
     for finding in findings:
+        if finding.id in from_base:
+            plain, geometry = _explain_added(finding, from_base[finding.id])
+            finding.next_step = NEXT_STEPS[finding.kind]
+            finding.explanation = f"{plain}; {geometry}"
+            continue
         plain, geometry = _explain_one(head, report, finding, distance.get(finding.id), parallel.get(finding.id))
         finding.next_step = _TIE_STEPS[finding.greedy] if finding.kind == "copy" else NEXT_STEPS[finding.kind]
         if finding.greedy == "never" and _reserved(finding.token):
@@ -150,17 +162,26 @@ def _explain_one(head: Head, report: AuditReport, finding: Finding, distance: fl
             f"inside the hull of {_mix(head, finding)}")
 
 
+def _explain_added(finding: Finding, distance: float) -> tuple[str, str]:
+    finding.kind = "untrained"
+    return ("never produced: a token added to the vocabulary whose row has not been trained",
+            f"{distance:.2g} of the base rows' typical distance from their mean"
+            + (" (where mean initialisation puts new rows)" if distance <= MEAN_RADIUS else ""))
+
+
 def _reserved(token: str | None) -> bool:
     return token is not None and RESERVED_TOKEN.fullmatch(token.strip()) is not None
 
 
-def _distance_from_mean(weight: torch.Tensor, ids: list[int]) -> dict[int, float]:
-    """||w_k - c|| / sqrt(mean_i ||w_i - c||^2) for the given rows, c the mean of all rows."""
+def _distance_from_mean(weight: torch.Tensor, ids: list[int], base: int | None = None) -> dict[int, float]:
+    """||w_k - c|| / sqrt(mean_i ||w_i - c||^2) for the given rows, c the mean of all rows (of the first
+    ``base`` rows when given: the vocabulary before tokens were added)."""
     if not ids:
         return {}
-    n = weight.shape[0]
-    centre = sum(rows.sum(dim=0) for _, _, rows in row_blocks(weight, _BLOCK)) / n
-    spread = float(sum(((rows - centre) ** 2).sum() for _, _, rows in row_blocks(weight, _BLOCK)) / n) ** 0.5
+    head_rows = weight if base is None else weight[:base]
+    n = head_rows.shape[0]
+    centre = sum(rows.sum(dim=0) for _, _, rows in row_blocks(head_rows, _BLOCK)) / n
+    spread = float(sum(((rows - centre) ** 2).sum() for _, _, rows in row_blocks(head_rows, _BLOCK)) / n) ** 0.5
     offsets = torch.linalg.vector_norm(weight[ids].to(torch.float64) - centre, dim=1)
     scale = spread if spread > 0 else 1.0
     return {k: float(v) / scale for k, v in zip(ids, offsets.tolist())}
@@ -323,6 +344,8 @@ def summary_lines(findings: list[dict], domain: str) -> list[str]:
         elif kind == "shorter copy":
             lines.append(f"{rows} {'are shorter copies' if count != 1 else 'is a shorter copy'} of other rows: "
                          f"{id_ranges(ids)}")
+        elif kind == "untrained":
+            lines.append(f"{rows} added to the vocabulary and not trained yet: {id_ranges(ids)}")
         elif kind == "hull":
             lines.append(f"{rows} inside the hull of other rows: {id_ranges(ids)}")
         elif kind == "domain":

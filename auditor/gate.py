@@ -21,13 +21,15 @@ class AllowList:
     """Token ids and exact token strings whose findings are expected.
 
     One entry per line; ``#`` starts a comment. A line that is an integer is a
-    token id; anything else is a token string, taken literally after trimming
-    the line, or written as a JSON string ("123", " leading space") to say
+    token id, and one like ``2002-2047`` a range of ids (both ends included);
+    anything else is a token string, taken literally after trimming the line,
+    or written as a JSON string ("123", "2002-2047", " leading space") to say
     exactly which string is meant.
     """
 
     ids: set[int] = field(default_factory=set)
     strings: set[str] = field(default_factory=set)
+    ranges: list[tuple[int, int]] = field(default_factory=list)  # (first, last), both included
 
     @classmethod
     def read(cls, path: Path) -> AllowList:
@@ -55,12 +57,18 @@ class AllowList:
                 continue
             if re.fullmatch(r"[0-9]+", line):
                 allow.ids.add(int(line))
+            elif (bounds := re.fullmatch(r"([0-9]+)\s*-\s*([0-9]+)", line)) is not None:
+                first, last = int(bounds[1]), int(bounds[2])
+                if first > last:
+                    raise InputError(f"{path}:{number}: the range {line} runs backwards")
+                allow.ranges.append((first, last))
             else:
                 allow.strings.add(line)
         return allow
 
     def allows(self, k: int, token: str | None) -> bool:
-        return k in self.ids or (token is not None and token in self.strings)
+        return (k in self.ids or any(first <= k <= last for first, last in self.ranges)
+                or (token is not None and token in self.strings))
 
     def unused(self, findings: list[Finding], n_tokens: int, undecided: set[int] = frozenset()) -> list[str]:
         """Warnings for the entries that match no finding: stale entries hide nothing and mislead.
@@ -72,6 +80,12 @@ class AllowList:
         warnings += [f"allow-list entry {k} matches no finding" for k in sorted(self.ids - ids) if k < n_tokens]
         warnings += [f"allow-list entry {json.dumps(t, ensure_ascii=False)} matches no finding"
                      for t in sorted(self.strings - strings)]
+        for first, last in self.ranges:
+            if first >= n_tokens:
+                warnings.append(f"allow-list entry {first}-{last} is not a range of token ids of this head "
+                                f"(0..{n_tokens - 1})")
+            elif not any(first <= k <= last for k in ids):
+                warnings.append(f"allow-list entry {first}-{last} matches no finding")
         return warnings
 
 
@@ -123,7 +137,9 @@ def run_gate(head: Head, report: AuditReport, fail_on=DEFAULT_FAIL_ON, allow: Al
         for finding in findings:
             finding.allowed = allow.allows(finding.id, finding.token)
     result = GateResult(head, report, findings, frozenset(fail_on), load_seconds, ceiling)
-    result.summaries = explain(head, report, findings)
+    # ids past the baseline's vocabulary, or past the tokenizer model's own, were added: untrained, not rare
+    first_added = baseline.n_tokens if baseline is not None else head.base_vocab
+    result.summaries = explain(head, report, findings, first_added)
     result.next_steps = next_steps([{"kind": f.kind} for f in findings])
     if allow is not None:
         result.warnings += allow.unused(findings, report.n_tokens, set(report.ids("undecided")))

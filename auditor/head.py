@@ -33,6 +33,7 @@ class Head:
     factor: Any = None
     vocab_file: Path | None = None  # the --vocab file the token strings came from, and its offset
     vocab_offset: int = 0
+    base_vocab: int | None = None  # the tokenizer model's own vocabulary size (tokenizer.json): later ids were added
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -374,10 +374,10 @@ def test_a_work_dir_is_refused_when_the_head_was_read_otherwise(tmp_path, capsys
 
 @pytest.mark.distributed
 def test_the_readmes_torchrun_example_works_as_printed_on_a_head_with_findings(tmp_path):
-    """README's one-machine torchrun line and its gate one-liner, run as printed on the demo head (which has
+    """docs/cli.md's one-machine torchrun line and its gate one-liner, run as printed on the demo head (which has
     findings) with 2 processes for 8 and a local port: torchrun exits 0 with no traceback, the gate exits 1."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    block = readme.split("#### torchrun", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    cli_doc = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text(encoding="utf-8")
+    block = cli_doc.split("### torchrun", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
     lines = [line for line in block.splitlines() if line and not line.startswith("#")]
     launch, gate = lines[0].split(), lines[1]
     assert launch[:3] == ["torchrun", "--nproc-per-node", "8"] and "model/" in launch

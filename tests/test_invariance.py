@@ -323,7 +323,7 @@ TAU = 1e-10  # audit's default residual_tol
 
 def spread_scale(W: np.ndarray, k: int) -> float:
     """max(||w_k - m||, t): m the coordinate-wise lower median of the distinct rows, t the 10th percentile
-    of their non-zero distances from m (README, "convex"), computed here independently of the engine."""
+    of their non-zero distances from m (docs/cli.md, "convex"), computed here independently of the engine."""
     distinct = np.unique(W, axis=0)
     middle = (distinct.shape[0] - 1) // 2
     centre = np.partition(distinct, middle, axis=0)[middle]
@@ -374,7 +374,7 @@ def test_a_token_planted_at_the_tolerance_gets_one_verdict_in_every_order_and_of
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_row_at_an_edge_midpoint_with_a_bias_a_hair_above_is_unargmaxable_in_every_order(seed):
     """A lead of 2^-45 at |z| = 1/4 is far below the tolerance times |z|: convex weights with a bias gap
-    <= 0 and a residual within the tolerance exist (README), whatever the order of the rows."""
+    <= 0 and a residual within the tolerance exist (docs/method.md), whatever the order of the rows."""
     W = np.array([[0.25, 0.75], [0.25, -1.25], [1, 0.5], [-0.5, 0.5], [0.25, -0.25]])
     b = np.array([0, 0.5, -0.75, -0.25, 0.25 + 2.0**-45])
     order = np.random.default_rng(seed).permutation(5)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -88,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ceiling", type=float, metavar="P",
                         help="also compute each token's largest reachable probability (bounded domains) and report "
                              "argmaxable tokens that can never reach P as low-ceiling findings")
-    parser.add_argument("--tokens", metavar="IDS", help="decide only these ids, e.g. 0-99,50256,128000- (the rest are undecided)")
+    parser.add_argument("--tokens", metavar="IDS", help="decide only these ids, e.g. 0-99,50256,128000- (the rest are "
+                        "undecided); 'added' takes the ids past the tokenizer model's own vocabulary, 'new' those "
+                        "past --baseline's, and token strings name tokens (JSON-quoted where they look like ids)")
     parser.add_argument("--shard", metavar="I/N",
                         help="decide only the I-th of N equal contiguous parts of the vocabulary (1 <= I <= N); "
                              "merge the shards' JSON reports with audit-merge")
@@ -121,27 +124,88 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_token_ids(text: str, n: int) -> list[int]:
-    """``"0-99,1000,2000-"`` -> ids; an open range runs to the last row."""
-    ids: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
+def parse_token_ids(text: str, n: int, head=None, baseline=None) -> list[int]:
+    """``--tokens``: comma-separated ids (``0-99,1000,2000-``: an open range runs to the last row), ``added``
+    (the ids at or past the tokenizer model's own vocabulary, and the rows past the tokenizer's length),
+    ``new`` (the ids past the baseline's vocabulary) and token strings (JSON-quoted where they look like
+    numbers or hold a comma: ``"2",<|im_end|>``). Returns sorted ids without repeats."""
+    ids: set[int] = set()
+    for part, quoted in _token_parts(text):
+        if quoted or not re.fullmatch(r"[0-9]+(-[0-9]*)?", part):
+            if not quoted and part == "added":
+                ids.update(_added_ids(head, n))
+            elif not quoted and part == "new":
+                if baseline is None:
+                    raise InputError("--tokens new needs --baseline REPORT (the ids past its vocabulary are new)")
+                if baseline.n_tokens >= n:
+                    raise InputError(f"--tokens new: the baseline has {baseline.n_tokens} tokens and this head "
+                                     f"{n}: no id is new")
+                ids.update(range(baseline.n_tokens, n))
+            else:
+                ids.update(_ids_of_string(part, head))
             continue
         start, dash, stop = part.partition("-")
-        try:
-            first = int(start)
-            last = (int(stop) if stop else n - 1) if dash else first
-        except ValueError:
-            raise InputError(f"--tokens: {part!r} is not an id or a range like 10-20") from None
+        first = int(start)
+        last = (int(stop) if stop else n - 1) if dash else first
         if first > last:
             raise InputError(f"--tokens: the range {part!r} runs backwards")
         if first < 0 or last >= n:
             raise InputError(f"--tokens: {part!r} is outside the vocabulary 0..{n - 1}")
-        ids.extend(range(first, last + 1))
+        ids.update(range(first, last + 1))
     if not ids:
         raise InputError("--tokens: no token ids given")
-    return ids
+    return sorted(ids)
+
+
+def _token_parts(text: str):
+    """(part, quoted) for each comma-separated part; a part starting with a double quote is a JSON string."""
+    decoder = json.JSONDecoder()
+    at = 0
+    while at <= len(text):
+        while at < len(text) and text[at] == " ":
+            at += 1
+        if at < len(text) and text[at] == '"':
+            try:
+                string, end = decoder.raw_decode(text, at)
+            except ValueError:
+                raise InputError(f"--tokens: not a valid quoted token string at {text[at:]!r}") from None
+            rest = text.find(",", end)
+            if text[end:rest if rest >= 0 else len(text)].strip():
+                raise InputError(f"--tokens: unexpected text after the quoted token string {text[at:end]}")
+            yield string, True
+            at = len(text) + 1 if rest < 0 else rest + 1
+            continue
+        comma = text.find(",", at)
+        part = text[at:comma if comma >= 0 else len(text)].strip()
+        if part:
+            yield part, False
+        at = len(text) + 1 if comma < 0 else comma + 1
+
+
+def _added_ids(head, n: int) -> range:
+    """The ids at or past the tokenizer model's own vocabulary, through the last row (which covers the rows
+    past the tokenizer's length); without tokenizer.json, the rows past the token strings' length."""
+    if head is not None and head.base_vocab is not None:
+        first = head.base_vocab
+    elif head is not None and head.tokens is not None:
+        first = len(head.tokens)
+    else:
+        raise InputError("--tokens added needs the model's tokenizer.json (its own vocabulary tells the added "
+                         "tokens apart) or token strings; give ids instead, e.g. --tokens 50257-")
+    if first >= n:
+        raise InputError(f"--tokens added: the tokenizer's own vocabulary has {first} tokens and the head {n} "
+                         f"rows: no token was added")
+    return range(first, n)
+
+
+def _ids_of_string(token: str, head) -> list[int]:
+    if head is None or head.tokens is None:
+        raise InputError(f"--tokens: {token!r} is not an id or a range like 10-20, and the head has no token "
+                         f"strings to look it up")
+    found = [k for k, string in enumerate(head.tokens) if string == token]
+    if not found:
+        raise InputError(f"--tokens: no token is the string {json.dumps(token, ensure_ascii=False)}")
+    return found
 
 
 def parse_shard(text: str, n: int) -> tuple[int, int, range]:
@@ -194,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     if baseline is not None:
         baseline.check(head, domain, args.ceiling)
     # "--tokens ''" is a mistake to report, not a request to audit everything
-    tokens = parse_token_ids(args.tokens, head.shape[0]) if args.tokens is not None else None
+    tokens = parse_token_ids(args.tokens, head.shape[0], head, baseline) if args.tokens is not None else None
     shard = None
     if args.shard:
         index, count, part = parse_shard(args.shard, head.shape[0])

@@ -307,5 +307,6 @@ def _run_batch(head: EngineHead, norm, ids: np.ndarray, start: np.ndarray, itera
         if outcome.certified:
             continue
         support = active_support(alpha[slot])
-        outcome.support = working.members[support].cpu().numpy()
-        outcome.support_weights = alpha[slot, support].cpu().numpy()
+        # copies: a view would keep the whole tensor it came from alive for as long as the outcome lives
+        outcome.support = working.members[support].cpu().numpy().copy()
+        outcome.support_weights = alpha[slot, support].cpu().numpy().copy()

@@ -130,8 +130,9 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
         if outcome.certified:
             continue
         outcome.margin = float(best_margin[slot])
-        outcome.support = active_support(alpha[slot]).cpu().numpy()
-        outcome.support_weights = alpha[slot, outcome.support].cpu().numpy()
+        # copies: a view would keep the whole tensor it came from alive for as long as the outcome lives
+        outcome.support = active_support(alpha[slot]).cpu().numpy().copy()
+        outcome.support_weights = alpha[slot, outcome.support].cpu().numpy().copy()
 
 
 # The active set: convex weights per token (rows of a batch), their columns rows of the head or of a

@@ -1,4 +1,4 @@
-"""JSON for machines: a stable schema (see README) with one object per finding.
+"""JSON for machines: a stable schema (see docs/cli.md) with one object per finding.
 
 ``document(result)`` is the report as a dict; the text and markdown formats render from it too, so a
 merged report (audit-merge has only the shards' documents) looks like a whole-vocabulary one."""

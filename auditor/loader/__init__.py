@@ -27,7 +27,7 @@ from auditor.loader.hub_id import is_hub_id, parse_hub_id
 from auditor.loader.naming import choose_head
 from auditor.loader.onnx_head import PADDLE_CHARACTERS, OnnxStore, paddle_characters
 from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore, read_index
-from auditor.loader.tokens import read_token_strings, read_vocabulary
+from auditor.loader.tokens import base_vocabulary_size, read_token_strings, read_vocabulary
 
 _FOLDER_SCAN_LIMIT = 200  # files whose first bytes are read when a folder has no checkpoint: stays quick
 _OPENERS = {
@@ -231,6 +231,7 @@ def _name_tokens(head: Head, store, folder: Path, vocabulary: tuple[Path, int] |
             return
     if head.tokens is None and not isinstance(store, GGUFStore):
         head.tokens, head.token_source = read_token_strings(folder, head.notes)
+        head.base_vocab = base_vocabulary_size(folder)
     if head.tokens is not None and len(head.tokens) < head.shape[0]:
         head.notes.append(f"rows {len(head.tokens)}..{head.shape[0] - 1} have no token string "
                           f"(the tokenizer has {len(head.tokens)} tokens)")

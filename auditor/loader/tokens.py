@@ -3,9 +3,21 @@ with --vocab (a character list: one string per line, from a given id on)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from auditor.errors import InputError
+
+
+def base_vocabulary_size(folder: Path) -> int | None:
+    """The size of the tokenizer model's own vocabulary (``model.vocab`` in tokenizer.json), before the
+    added tokens; None without a readable tokenizer.json. Read as JSON: no tokenizers package needed."""
+    try:
+        document = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+        vocab = document["model"]["vocab"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return len(vocab) if isinstance(vocab, (dict, list)) else None
 
 
 def read_token_strings(folder: Path, notes: list[str]) -> tuple[list[str] | None, str | None]:

