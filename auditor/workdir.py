@@ -215,7 +215,7 @@ def binding_for(head, *, domain, final_norm, ceiling: float | None, fail_on, all
         "device": device,
         "token_strings": vocabulary_fingerprint(head),
         # every block's report carries the head section, and blocks are merged only when they agree: a
-        # changed source format, token source, norm epsilon or tie must not resume (found in review)
+        # changed source format, token source, norm epsilon or tie must not resume
         "head": head_section(head),
     }
     return Binding(head_fingerprint(head), settings)
