@@ -509,3 +509,20 @@ def test_a_radius_with_many_digits_is_written_so_that_it_reads_back_exactly():
         for domain in (auditor.Ball(radius), auditor.Box(radius)):
             assert auditor.parse_domain(str(domain)) == domain
     assert str(auditor.Ball(10.0)) == "ball:10"
+
+
+def test_another_head_of_the_same_shape_is_named_in_the_first_line_and_the_list_is_capped(tmp_path):
+    """Certificates checked against a head whose rows were shuffled: nearly every witness and weight fails, so
+    the first line says that this is probably not the audited head, and the per-token lines stop at 50."""
+    certs = tmp_path / "certificates.json"
+    assert audit_cli(DEMO, "--tokens", "0-199", "--certificates", certs, "--quiet").returncode in (0, 1)
+    weight = load_file(str(DEMO))["weight"]
+    other = tmp_path / "other.safetensors"
+    save_file({"weight": np.ascontiguousarray(weight[np.random.default_rng(0).permutation(len(weight))])}, str(other))
+    done = verify_cli(certs, other)
+    assert done.returncode == 1, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("audit-verify: ") and "is probably not the head they were written for" in lines[0]
+    assert str(DEMO) in lines[0] or "resized_demo.safetensors" in lines[0]
+    assert lines[-2].strip().startswith("... and ") and len(lines) == 1 + 50 + 2
+    assert verify_cli(certs, DEMO).returncode == 0

@@ -135,11 +135,22 @@ def run(args: argparse.Namespace) -> int:
     if result.ok:
         print(f"audit-verify: {checked}, all hold{unchecked}")
         return EXIT_CLEAN
-    for k in result.failed:
+    if 2 * len(result.failed) > result.tokens:
+        # most certificates failing is not a few bad verdicts: the head is almost surely another one
+        written = certs.head.get("path") or "another head"
+        print(f"audit-verify: {len(result.failed)} of {result.tokens} certificates fail: {args.path} is probably "
+              f"not the head they were written for ({written}"
+              + (f", tensor {certs.head['weight_tensor']!r}" if certs.head.get("weight_tensor") else "") + ")")
+    for k in result.failed[:_LISTED]:
         print(f"{k:>8}  {certs.tokens[k].verdict:<13} {'; '.join(result.reasons.get(k, ['does not hold']))}")
+    if len(result.failed) > _LISTED:
+        print(f"     ... and {len(result.failed) - _LISTED} more")
     print(f"audit-verify: {checked}{unchecked}, {len(result.failed)} failed: "
           f"{', '.join(map(str, result.failed))}")
     return EXIT_FINDINGS
+
+
+_LISTED = 50  # failed tokens listed one a line; the last line names every one
 
 
 def main(argv: list[str] | None = None) -> int:
