@@ -276,3 +276,19 @@ def test_a_damaged_pickle_is_one_line_naming_the_failure(tmp_path, capsys):
     path = tmp_path / "head.pt"
     path.write_bytes(b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19" + b"junk" * 8)  # torch's legacy magic
     assert "not a readable PyTorch checkpoint" in audit_error(capsys, path)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_torch_file_whose_head_is_the_embedding_itself_is_tied(tmp_path, tied):
+    """torch.save writes a tied parameter once: lm_head.weight and transformer.wte.weight are then one tensor
+    (same storage, offset, shape and strides), and the head is reported tied; a clone is not."""
+    wte = torch.randn(64, 8)
+    state = {"transformer.wte.weight": wte, "transformer.h.0.mlp.weight": torch.randn(8, 8),
+             "lm_head.weight": wte if tied else wte.clone()}
+    path = tmp_path / "model.pt"
+    torch.save(state, path)
+    head = load_head(path)
+    assert head.weight_name == "lm_head.weight"
+    assert head.tied is tied
+    assert any("shares its storage with the input embedding transformer.wte.weight" in note
+               for note in head.notes) is tied

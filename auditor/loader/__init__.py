@@ -24,7 +24,7 @@ from auditor.loader import hub
 from auditor.loader.config import read_config
 from auditor.loader.formats import DESCRIPTIONS, WEIGHT_FILES, foreign_format, identify
 from auditor.loader.hub_id import is_hub_id, parse_hub_id
-from auditor.loader.naming import choose_head
+from auditor.loader.naming import choose_head, is_input_embedding
 from auditor.loader.onnx_head import PADDLE_CHARACTERS, OnnxStore, paddle_characters
 from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore, read_index
 from auditor.loader.tokens import base_vocabulary_size, read_token_strings, read_vocabulary
@@ -200,6 +200,11 @@ def _read_head(path: Path, weight: str | None, bias: str | None, progress: bool,
                 weight_name=names.weight, bias_name=names.bias, tied=names.tied, path=path,
                 source_format=store.format)
     head.notes += [note for note in (getattr(store, "origin", None), names.bias_note) if note]
+    if not head.tied and v is None and isinstance(store, TorchStore):
+        shared = store.sharing_storage(names.weight, is_input_embedding)
+        if shared is not None:  # torch.save keeps one storage for tied parameters: the head is the embedding
+            head.tied = True
+            head.notes.append(f"{names.weight} shares its storage with the input embedding {shared}: the head is tied")
     if names.norm_weight:
         kind, eps = _norm_kind(config, store, names.norm_bias is not None)
         head.final_norm = FinalNorm(kind, loaded[names.norm_weight],

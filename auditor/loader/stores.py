@@ -194,6 +194,23 @@ class TorchStore:
     def get(self, name: str):
         return self._shard(self._file_of[name])[name]
 
+    def sharing_storage(self, name: str, candidate) -> str | None:
+        """The name of another tensor of ``name``'s file that is the same tensor (same storage, offset, shape and
+        strides) and whose name ``candidate`` accepts, or None: torch.save writes tied parameters once."""
+        tensors = self._shard(self._file_of[name])
+        tensor = tensors.get(name)
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        key = _view_key(tensor)
+        for other, value in tensors.items():
+            if other != name and candidate(other) and isinstance(value, torch.Tensor) and _view_key(value) == key:
+                return other
+        return None
+
+
+def _view_key(tensor: torch.Tensor) -> tuple:
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+
 
 def _no_state_dict(path: Path, checkpoint) -> str:
     if not isinstance(checkpoint, dict):
