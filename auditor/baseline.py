@@ -72,15 +72,27 @@ class Baseline:
                              "--ceiling")
         n, old = head.shape[0], self.n_tokens
         recorded = self.document["head"].get("vocabulary_sha256")
+        ours = vocabulary_fingerprint(head, min(n, old))
+        if recorded is None or ours is None:
+            # nothing to compare the vocabularies by: the ids are taken to name the same tokens, and the report
+            # says so (a resized checkpoint saved without its tokenizer: a .pt, a Lightning or Trainer checkpoint)
+            if n < old:
+                raise InputError(f"--baseline {self.path}: a vocabulary of {old} tokens, this head has {n}; "
+                                 "compare reports of the same vocabulary or of one it grew from")
+            missing = ("neither the baseline nor this head has token strings" if recorded is None and ours is None
+                       else "the baseline has no token strings" if recorded is None
+                       else "this head has no token strings")
+            head.notes.append(f"--baseline {self.path}: {missing}, so findings are compared by id (ids 0.."
+                              f"{old - 1} taken to be the same tokens)")
+            return
         if n == old:
-            if recorded and vocabulary_fingerprint(head) not in (None, recorded):
+            if ours != recorded:
                 raise InputError(f"--baseline {self.path}: same size but other token strings; "
                                  "it is a report of another vocabulary")
             return
-        extends = n > old and recorded is not None and vocabulary_fingerprint(head, old) == recorded
-        if not extends:
+        if not (n > old and ours == recorded):
             raise InputError(f"--baseline {self.path}: a vocabulary of {old} tokens, this head has {n}"
-                             + (" and its first token strings differ" if n > old and recorded else "")
+                             + (" and its first token strings differ" if n > old else "")
                              + "; compare reports of the same vocabulary (a resized one must keep the "
                                "baseline's token strings)")
 

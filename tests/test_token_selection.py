@@ -137,3 +137,26 @@ def test_added_tokens_that_cannot_win_are_called_untrained_never_rare(tmp_path):
         assert "rare or unused" not in finding["next_step"]
     assert "(where mean initialisation puts new rows)" in next(f for f in added if f["id"] == 32)["explanation"]
     assert any(line.startswith("8 rows added to the vocabulary and not trained yet: 32") for line in report["summaries"])
+
+
+def test_a_baseline_without_token_strings_compares_by_id_with_a_note(tmp_path):
+    """A resized checkpoint saved without its tokenizer (a .pt, a Trainer checkpoint): neither report has token
+    strings, so the comparison is by id, the report says so, `--tokens new` takes the added ids, and the
+    added rows, which sit at the mean, are new findings of kind untrained."""
+    rng = np.random.default_rng(4)
+    base = rng.standard_normal((60, 6)).astype(np.float32)
+    resized = np.vstack([base, np.repeat(base.mean(axis=0, keepdims=True), 3, axis=0)
+                         + 1e-4 * rng.standard_normal((3, 6)).astype(np.float32)])
+    save_file({"lm_head.weight": base}, str(tmp_path / "base.safetensors"))
+    save_file({"lm_head.weight": resized}, str(tmp_path / "resized.safetensors"))
+    baseline = tmp_path / "base.json"
+    assert _audit(tmp_path / "base.safetensors", "--format", "json", "--output", baseline, "--quiet").returncode in (0, 1)
+    done = _audit(tmp_path / "resized.safetensors", "--baseline", baseline, "--tokens", "new", "--format", "json",
+                  "--quiet")
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    assert any("neither the baseline nor this head has token strings, so findings are compared by id" in note
+               for note in report["notes"])
+    new = [f for f in report["findings"] if f["baseline"] == "new"]
+    assert {f["id"] for f in new} == {60, 61, 62}
+    assert all(f["kind"] == "untrained" for f in new)
