@@ -160,3 +160,20 @@ def test_a_baseline_without_token_strings_compares_by_id_with_a_note(tmp_path):
     new = [f for f in report["findings"] if f["baseline"] == "new"]
     assert {f["id"] for f in new} == {60, 61, 62}
     assert all(f["kind"] == "untrained" for f in new)
+
+
+def test_a_trainer_output_folder_audits_its_latest_checkpoint_and_says_so(tmp_path):
+    """checkpoint-10/ and checkpoint-200/ under an output folder with no checkpoint of its own: the latest step
+    (200, not the last name in alphabetical order) is audited, and the notes say which."""
+    rng = np.random.default_rng(9)
+    for step, scale in ((10, 1.0), (200, 2.0)):
+        folder = tmp_path / "out" / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        save_file({"lm_head.weight": (scale * rng.standard_normal((30, 4))).astype(np.float32)},
+                  str(folder / "model.safetensors"))
+    done = _audit(tmp_path / "out", "--format", "json", "--quiet")
+    assert done.returncode in (0, 1), done.stderr
+    report = json.loads(done.stdout)
+    assert any("its latest checkpoint, checkpoint-200, is audited (2 checkpoint folders" in note
+               for note in report["notes"])
+    assert report["head"]["path"].endswith("checkpoint-200")

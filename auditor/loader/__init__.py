@@ -13,6 +13,7 @@ as a folder's are.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -147,7 +148,32 @@ def load_head(path, weight: str | None = None, bias: str | None = None, progress
         if model.note:
             head.notes.append(model.note)
         return head
-    return _read_head(Path(path), weight, bias, progress, store, vocabulary)
+    path = Path(path)
+    latest = _latest_trainer_checkpoint(path) if store is None else None
+    if latest is not None:
+        head = _read_head(latest[0], weight, bias, progress, None, vocabulary)
+        head.notes.append(latest[1])
+        return head
+    return _read_head(path, weight, bias, progress, store, vocabulary)
+
+
+_TRAINER_CHECKPOINT = re.compile(r"checkpoint-([0-9]+)")
+
+
+def _latest_trainer_checkpoint(path: Path) -> tuple[Path, str] | None:
+    """A Trainer's output folder (checkpoint-N/ folders and no checkpoint of its own): its latest checkpoint
+    folder and the note that says so; None for any other path."""
+    if not path.is_dir() or any((path / name).is_file() for name in WEIGHT_FILES):
+        return None
+    if any(p.suffix.lower() in (".safetensors", ".gguf", ".onnx") for p in path.iterdir() if p.is_file()):
+        return None
+    steps = sorted((int(match[1]), child) for child in path.iterdir()
+                   if child.is_dir() and (match := _TRAINER_CHECKPOINT.fullmatch(child.name)))
+    if not steps:
+        return None
+    step, folder = steps[-1]
+    return folder, (f"{path} is a training output folder: its latest checkpoint, {folder.name}, is audited "
+                    f"({len(steps)} checkpoint folder{'s' if len(steps) != 1 else ''}; audit another by its path)")
 
 
 def _dotted_names(store, weight: str | None, bias: str | None, where: str) -> tuple[str | None, str | None]:
