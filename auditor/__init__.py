@@ -10,11 +10,12 @@ from auditor.api import audit
 from auditor.certificates import Certificates, TokenVerdict, load_certificates
 from auditor.domain import Ball, Box, Norm, Unbounded, parse_domain
 from auditor.errors import AuditorError, InputError
+from auditor.integrations.model import audit_model
 from auditor.norm import FinalNorm
 from auditor.report import AuditReport
 from auditor.verify import Verification, verify
 
 __all__ = [
-    "audit", "verify", "load_certificates", "Certificates", "AuditReport", "TokenVerdict", "Verification",
+    "audit", "audit_model", "verify", "load_certificates", "Certificates", "AuditReport", "TokenVerdict", "Verification",
     "Ball", "Box", "Norm", "Unbounded", "FinalNorm", "parse_domain", "AuditorError", "InputError", "__version__",
 ]

@@ -1,0 +1,128 @@
+"""``ArgmaxabilityCallback``: the audit inside a transformers Trainer (``pip install 'auditor[transformers]'``).
+
+    from auditor.integrations.transformers import ArgmaxabilityCallback
+    trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    trainer.add_callback(ArgmaxabilityCallback(trainer, tokens="added"))
+
+At evaluation and at each save it audits the live output head (``get_output_embeddings()``: tied or not,
+PEFT's active copy through the wrapper) for the watched tokens, under torch.no_grad on the device of the
+weights. It logs ``argmaxability/unargmaxable`` and ``argmaxability/never_emitted`` (how many watched
+tokens cannot win, and how many greedy decoding never produces) and ``argmaxability/min_margin`` (the
+smallest lead of a watched token, 0 while one cannot win) through ``trainer.log``, so they reach
+TensorBoard, W&B or whatever the Trainer reports to; given no trainer it appends them to
+``state.log_history``. At a save it writes the JSON report, as ``audit --format json`` writes it, into the
+checkpoint folder (``checkpoint-N/argmaxability.json``). Before a push to the Hub (``on_push_begin``), and
+at the end of training when ``stop_at_end``, it raises ``UnproducibleTokensError`` naming the watched
+tokens that cannot be produced. Under DDP only the main process audits and writes; a head sharded by FSDP or
+ZeRO-3 is reported in one warning, once, with what to do instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+
+from transformers import TrainerCallback
+
+from auditor.errors import InputError
+from auditor.formats import FORMATS
+from auditor.integrations.model import audit_model
+
+logger = logging.getLogger(__name__)
+
+REPORT_NAME = "argmaxability.json"
+
+
+class UnproducibleTokensError(RuntimeError):
+    """Watched tokens that the model can never produce, raised where the callback is told to stop."""
+
+
+class ArgmaxabilityCallback(TrainerCallback):
+    """Audit the watched tokens of the live output head at evaluation and save events (module docstring).
+
+    ``trainer``: the Trainer whose ``log`` the metrics go through (None: ``state.log_history`` only).
+    ``tokens``: ``"added"`` (the ids past the tokenizer model's own vocabulary; needs the Trainer's
+    ``processing_class``), ids and token strings, or None for every token. ``stop_on_push`` and
+    ``stop_at_end`` say where a watched token that cannot be produced stops the run."""
+
+    def __init__(self, trainer=None, tokens="added", *, stop_on_push: bool = True, stop_at_end: bool = False,
+                 domain: str = "unbounded", report_name: str = REPORT_NAME):
+        self.trainer = trainer
+        self.tokens = tokens
+        self.stop_on_push, self.stop_at_end = stop_on_push, stop_at_end
+        self.domain, self.report_name = domain, report_name
+        self.last = None  # the latest GateResult
+        self._step = None  # the step self.last was audited at
+        self._warned = False
+
+    def _audit(self, state, model, processing_class):
+        if not state.is_world_process_zero or model is None:
+            return None
+        if self._step == state.global_step and self.last is not None:
+            return self.last  # evaluation and save at one step: one audit
+        try:
+            result = audit_model(model, self.tokens, tokenizer=processing_class, domain=self.domain)
+        except InputError as error:
+            if not self._warned:
+                logger.warning("argmaxability: %s", error)
+                self._warned = True
+            return None
+        self.last, self._step = result, state.global_step
+        self._log(state, metrics(result))
+        return result
+
+    def _log(self, state, values: dict) -> None:
+        if self.trainer is not None:
+            self.trainer.log(dict(values))
+        else:
+            state.log_history.append({**values, "step": state.global_step})
+
+    def on_evaluate(self, args, state, control, model=None, processing_class=None, **kwargs):
+        self._audit(state, model, processing_class)
+
+    def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
+        result = self._audit(state, model, processing_class)
+        if result is None:
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if os.path.isdir(folder):
+            with open(os.path.join(folder, self.report_name), "w", encoding="utf-8") as file:
+                file.write(FORMATS["json"](result))
+
+    def on_push_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if self.stop_on_push:
+            self._stop_if_unproducible(state, model, processing_class, "before the push to the Hub")
+
+    def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if self.stop_at_end:
+            self._stop_if_unproducible(state, model, processing_class, "at the end of training")
+
+    def _stop_if_unproducible(self, state, model, processing_class, where: str) -> None:
+        self._step = None  # the weights may have changed since the last audit
+        result = self._audit(state, model, processing_class)
+        if result is None or not result.failing:
+            return
+        named = ", ".join(f"{f.id} {json.dumps(f.token, ensure_ascii=False)}" if f.token is not None else str(f.id)
+                          for f in result.failing[:20])
+        more = f" and {len(result.failing) - 20} more" if len(result.failing) > 20 else ""
+        raise UnproducibleTokensError(f"argmaxability: stopped {where}: the model can never produce "
+                                      f"{len(result.failing)} watched token(s): {named}{more}; "
+                                      f"{result.next_steps[0] if result.next_steps else ''}")
+
+
+def metrics(result) -> dict[str, float]:
+    """The logged values of one audit: counts over the watched tokens (those decided), and the smallest lead
+    among them, 0 while one of them cannot win."""
+    report = result.report
+    counts = report.counts
+    margins = report.margins()[report.ids("argmaxable")]
+    margins = margins[np.isfinite(margins)]
+    never = report.never_emitted()
+    blocked = bool(never) or counts["inconclusive"] > 0
+    lowest = 0.0 if blocked or margins.size == 0 else float(margins.min())
+    return {"argmaxability/unargmaxable": float(counts["unargmaxable"]),
+            "argmaxability/never_emitted": float(len(never)),
+            "argmaxability/min_margin": lowest}

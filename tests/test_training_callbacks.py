@@ -1,0 +1,105 @@
+"""The audit inside a training loop: a real transformers Trainer on a tiny GPT-2 built from a config, whose
+vocabulary gains two tokens; one is a training target, the other never appears. The callback's metrics
+show the first becoming argmaxable and the second staying unargmaxable, and a report lands in each
+checkpoint folder. ``audit_model`` on the same live model gives findings with the gate."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import auditor
+
+transformers = pytest.importorskip("transformers")
+
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+
+WORDS = [f"w{k}" for k in range(400)]
+
+
+def tiny_model_and_tokenizer():
+    torch.manual_seed(0)
+    vocab = {word: k for k, word in enumerate(["<unk>", *WORDS])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<unk>")
+    config = transformers.GPT2Config(vocab_size=len(vocab), n_positions=32, n_embd=16, n_layer=1, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>", "<|never|>"]})
+    model.resize_token_embeddings(len(tokenizer))  # the new rows at the mean of the old ones
+    return model, tokenizer
+
+
+class Texts(torch.utils.data.Dataset):
+    """Sequences of words that each end with <|end|>: the token to learn. <|never|> appears nowhere."""
+
+    def __init__(self, tokenizer, count=64):
+        rng = np.random.default_rng(1)
+        self.items = []
+        for _ in range(count):
+            text = " ".join(rng.choice(WORDS, 6)) + " <|end|>"
+            ids = tokenizer(text)["input_ids"]
+            self.items.append({"input_ids": torch.tensor(ids), "labels": torch.tensor(ids)})
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+@pytest.mark.slow
+def test_the_trainer_callback_logs_the_added_tokens_and_writes_a_report_per_checkpoint(tmp_path):
+    from auditor.integrations.transformers import REPORT_NAME, ArgmaxabilityCallback
+
+    model, tokenizer = tiny_model_and_tokenizer()
+    end, never = tokenizer.convert_tokens_to_ids(["<|end|>", "<|never|>"])
+    before = auditor.audit_model(model, "added", tokenizer=tokenizer)
+    assert {f.id: f.verdict for f in before.findings} == {end: "unargmaxable", never: "unargmaxable"}
+    assert all(f.kind == "untrained" for f in before.findings) and before.exit_code == 1
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8,
+                                          num_train_epochs=5, learning_rate=3e-3, save_steps=20, eval_steps=20,
+                                          eval_strategy="steps", logging_steps=20, report_to=[], use_cpu=True,
+                                          disable_tqdm=True)
+    data = Texts(tokenizer)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, eval_dataset=data,
+                                   processing_class=tokenizer)
+    trainer.add_callback(ArgmaxabilityCallback(trainer, tokens="added", stop_on_push=True))
+    trainer.train()
+
+    logged = [entry for entry in trainer.state.log_history if "argmaxability/unargmaxable" in entry]
+    assert len(logged) >= 2
+    assert logged[-1]["argmaxability/unargmaxable"] == 1  # <|never|> stays; <|end|> became argmaxable
+    assert logged[-1]["argmaxability/never_emitted"] == 1
+    checkpoints = sorted((tmp_path / "out").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert len(checkpoints) >= 2
+    for folder in checkpoints:
+        report = json.loads((folder / REPORT_NAME).read_text(encoding="utf-8"))
+        assert report["summary"]["n_tokens"] == len(tokenizer)
+        assert {f["id"] for f in report["findings"]} <= {end, never}
+    last = json.loads((checkpoints[-1] / REPORT_NAME).read_text(encoding="utf-8"))
+    assert {f["id"]: f["verdict"] for f in last["findings"]} == {never: "unargmaxable"}
+    after = auditor.audit_model(model, "added", tokenizer=tokenizer)
+    assert after.report.tokens[end].verdict == "argmaxable" and after.report.tokens[never].verdict == "unargmaxable"
+    # the saved checkpoint, audited by the command, agrees with the live model
+    assert auditor.audit_model(model, ["<|never|>"], tokenizer=tokenizer).findings[0].id == never
+
+
+def test_audit_model_reads_the_live_head_and_refuses_what_it_cannot(tmp_path):
+    model, tokenizer = tiny_model_and_tokenizer()
+    result = auditor.audit_model(model, tokenizer=tokenizer)  # every token
+    assert result.report.n_tokens == len(tokenizer)
+    assert result.head.tied  # GPT-2 ties its head to the input embedding
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert result.report.tokens[end].verdict == "unargmaxable"
+    with pytest.raises(auditor.InputError, match="needs the tokenizer"):
+        auditor.audit_model(model, "added")
+    with pytest.raises(auditor.InputError, match="no output head"):
+        auditor.audit_model(torch.nn.Linear(4, 4))
+    with pytest.raises(auditor.InputError, match="sharded"):
+        sharded = torch.nn.Linear(4, 10)
+        sharded.weight = torch.nn.Parameter(torch.zeros(0))
+        auditor.audit_model(None, head=sharded)
