@@ -1,7 +1,8 @@
 """The audit inside a training loop: a real transformers Trainer on a tiny GPT-2 built from a config, whose
 vocabulary gains two tokens; one is a training target, the other never appears. The callback's metrics
 show the first becoming argmaxable and the second staying unargmaxable, and a report lands in each
-checkpoint folder. ``audit_model`` on the same live model gives findings with the gate."""
+checkpoint folder (Lightning: in each checkpoint). ``audit_model`` on the same live model gives findings
+with the gate. The checkpoints the tests load with pickle are the ones they wrote."""
 
 import json
 
@@ -103,3 +104,50 @@ def test_audit_model_reads_the_live_head_and_refuses_what_it_cannot(tmp_path):
         sharded = torch.nn.Linear(4, 10)
         sharded.weight = torch.nn.Parameter(torch.zeros(0))
         auditor.audit_model(None, head=sharded)
+
+
+@pytest.mark.slow
+def test_the_lightning_callback_logs_through_the_trainers_logger_and_fills_each_checkpoint(tmp_path):
+    lightning = pytest.importorskip("lightning")
+    from auditor.integrations.lightning import ArgmaxabilityCallback
+
+    model, tokenizer = tiny_model_and_tokenizer()
+    end, never = tokenizer.convert_tokens_to_ids(["<|end|>", "<|never|>"])
+
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, _):
+            return self.model(**batch).loss
+
+        def validation_step(self, batch, _):
+            self.log("val_loss", self.model(**batch).loss)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    loader = torch.utils.data.DataLoader(Texts(tokenizer), batch_size=8,
+                                         collate_fn=lambda items: {k: torch.stack([i[k] for i in items]) for k in items[0]})
+    sink = lightning.pytorch.loggers.CSVLogger(str(tmp_path), name="run")
+    checkpoints = lightning.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=20,
+                                                              save_top_k=-1)
+    trainer = lightning.Trainer(max_epochs=5, val_check_interval=4, logger=sink, enable_progress_bar=False,
+                                callbacks=[ArgmaxabilityCallback(tokens="added", tokenizer=tokenizer), checkpoints],
+                                accelerator="cpu", enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(Module(), loader, loader)
+
+    sink.save()
+    with open(f"{sink.log_dir}/metrics.csv", encoding="utf-8") as file:
+        rows = [line.split(",") for line in file.read().splitlines()]
+    header, rows = rows[0], rows[1:]
+    column = header.index("argmaxability/unargmaxable")
+    logged = [float(row[column]) for row in rows if row[column]]
+    assert len(logged) >= 2 and logged[-1] == 1  # <|never|> stays; <|end|> became argmaxable
+    saved = sorted((tmp_path / "ckpt").glob("*.ckpt"))
+    assert saved
+    for path in saved:
+        document = torch.load(path, weights_only=False)["argmaxability"]
+        assert {f["id"] for f in document["findings"]} <= {end, never}
+    assert {f["id"] for f in torch.load(saved[-1], weights_only=False)["argmaxability"]["findings"]} == {never}

@@ -7,8 +7,10 @@ here imports a training framework; the model only has to answer that call, or be
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from auditor.api import audit
@@ -100,3 +102,30 @@ def audit_model(model, tokens: str | Iterable[int | str] | None = None, *, token
                      f"{name}.bias", tied=tied, tokens=strings, token_source=None if strings is None else "tokenizer",
                      source_format="model", base_vocab=base_vocab)
     return run_gate(described, report, fail_on, allow)
+
+
+class UnproducibleTokensError(RuntimeError):
+    """Watched tokens that the model can never produce, raised where a training callback is told to stop."""
+
+
+def unproducible_message(result: GateResult, where: str) -> str:
+    named = ", ".join(f"{f.id} {json.dumps(f.token, ensure_ascii=False)}" if f.token is not None else str(f.id)
+                      for f in result.failing[:20])
+    more = f" and {len(result.failing) - 20} more" if len(result.failing) > 20 else ""
+    return (f"argmaxability: stopped {where}: the model can never produce {len(result.failing)} watched "
+            f"token(s): {named}{more}; {result.next_steps[0] if result.next_steps else ''}")
+
+
+def metrics(result) -> dict[str, float]:
+    """The logged values of one audit: counts over the watched tokens (those decided), and the smallest lead
+    among them, 0 while one of them cannot win."""
+    report = result.report
+    counts = report.counts
+    margins = report.margins()[report.ids("argmaxable")]
+    margins = margins[np.isfinite(margins)]
+    never = report.never_emitted()
+    blocked = bool(never) or counts["inconclusive"] > 0
+    lowest = 0.0 if blocked or margins.size == 0 else float(margins.min())
+    return {"argmaxability/unargmaxable": float(counts["unargmaxable"]),
+            "argmaxability/never_emitted": float(len(never)),
+            "argmaxability/min_margin": lowest}

@@ -19,25 +19,18 @@ ZeRO-3 is reported in one warning, once, with what to do instead.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-
-import numpy as np
 
 from transformers import TrainerCallback
 
 from auditor.errors import InputError
 from auditor.formats import FORMATS
-from auditor.integrations.model import audit_model
+from auditor.integrations.model import UnproducibleTokensError, audit_model, metrics, unproducible_message
 
 logger = logging.getLogger(__name__)
 
 REPORT_NAME = "argmaxability.json"
-
-
-class UnproducibleTokensError(RuntimeError):
-    """Watched tokens that the model can never produce, raised where the callback is told to stop."""
 
 
 class ArgmaxabilityCallback(TrainerCallback):
@@ -103,26 +96,5 @@ class ArgmaxabilityCallback(TrainerCallback):
     def _stop_if_unproducible(self, state, model, processing_class, where: str) -> None:
         self._step = None  # the weights may have changed since the last audit
         result = self._audit(state, model, processing_class)
-        if result is None or not result.failing:
-            return
-        named = ", ".join(f"{f.id} {json.dumps(f.token, ensure_ascii=False)}" if f.token is not None else str(f.id)
-                          for f in result.failing[:20])
-        more = f" and {len(result.failing) - 20} more" if len(result.failing) > 20 else ""
-        raise UnproducibleTokensError(f"argmaxability: stopped {where}: the model can never produce "
-                                      f"{len(result.failing)} watched token(s): {named}{more}; "
-                                      f"{result.next_steps[0] if result.next_steps else ''}")
-
-
-def metrics(result) -> dict[str, float]:
-    """The logged values of one audit: counts over the watched tokens (those decided), and the smallest lead
-    among them, 0 while one of them cannot win."""
-    report = result.report
-    counts = report.counts
-    margins = report.margins()[report.ids("argmaxable")]
-    margins = margins[np.isfinite(margins)]
-    never = report.never_emitted()
-    blocked = bool(never) or counts["inconclusive"] > 0
-    lowest = 0.0 if blocked or margins.size == 0 else float(margins.min())
-    return {"argmaxability/unargmaxable": float(counts["unargmaxable"]),
-            "argmaxability/never_emitted": float(len(never)),
-            "argmaxability/min_margin": lowest}
+        if result is not None and result.failing:
+            raise UnproducibleTokensError(unproducible_message(result, where))
