@@ -151,3 +151,15 @@ def test_the_lightning_callback_logs_through_the_trainers_logger_and_fills_each_
         document = torch.load(path, weights_only=False)["argmaxability"]
         assert {f["id"] for f in document["findings"]} <= {end, never}
     assert {f["id"] for f in torch.load(saved[-1], weights_only=False)["argmaxability"]["findings"]} == {never}
+
+
+@pytest.mark.parametrize("name", ["transformers", "lightning"])
+def test_a_missing_extra_is_named_in_one_message(name):
+    import subprocess
+    import sys
+
+    code = (f"import sys; sys.modules[{name!r}] = None\n"  # as if it were not installed
+            f"import auditor.integrations.{name}")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert f"ImportError: auditor.integrations.{name} needs {name}: pip install 'auditor[{name}]'" in done.stderr

@@ -18,7 +18,10 @@ from __future__ import annotations
 import json
 import logging
 
-import lightning
+try:
+    import lightning
+except ImportError:  # the extra is not installed: say which one
+    raise ImportError("auditor.integrations.lightning needs lightning: pip install 'auditor[lightning]'") from None
 
 from auditor.errors import InputError
 from auditor.formats import FORMATS

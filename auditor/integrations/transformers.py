@@ -22,7 +22,10 @@ from __future__ import annotations
 import logging
 import os
 
-from transformers import TrainerCallback
+try:
+    from transformers import TrainerCallback
+except ImportError:  # the extra is not installed: say which one
+    raise ImportError("auditor.integrations.transformers needs transformers: pip install 'auditor[transformers]'") from None
 
 from auditor.errors import InputError
 from auditor.formats import FORMATS
