@@ -60,6 +60,8 @@ NEXT_STEPS = {
             "copies kept as aliases are accepted (--allow)",
     "shorter copy": "the model can never produce these tokens: the longer row scores higher wherever they could "
                     "lead; usually the rows are trained or re-initialised",
+    "padding": "the tokenizer never produces these ids (rows that pad the vocabulary, e.g. pad_to_multiple_of): "
+               "nothing to do; they fail the run only with --fail-on padding",
     "untrained": "the model can never produce these tokens: they were added to the vocabulary and their rows have "
                  "not been trained; include the tokens in training targets (examples whose labels use them), "
                  "train, and audit again",
@@ -109,7 +111,8 @@ def explain(head: Head, report: AuditReport, findings: list[Finding], first_adde
     from_base = _distance_from_mean(weight, added, base=first_added) if added else {}
     for finding in findings:
         if finding.id in from_base:
-            plain, geometry = _explain_added(finding, from_base[finding.id])
+            padding = head.tokens is not None and finding.id >= len(head.tokens)
+            plain, geometry = _explain_added(finding, from_base[finding.id], padding)
             finding.next_step = NEXT_STEPS[finding.kind]
             finding.explanation = f"{plain}; {geometry}"
             continue
@@ -162,11 +165,14 @@ def _explain_one(head: Head, report: AuditReport, finding: Finding, distance: fl
             f"inside the hull of {_mix(head, finding)}")
 
 
-def _explain_added(finding: Finding, distance: float) -> tuple[str, str]:
+def _explain_added(finding: Finding, distance: float, padding: bool) -> tuple[str, str]:
+    where = (f"{distance:.2g} of the base rows' typical distance from their mean"
+             + (" (where mean initialisation puts new rows)" if distance <= MEAN_RADIUS else ""))
+    if padding:  # past the tokenizer's length: no text names it, so it is reported but fails only when asked
+        finding.kind, finding.classes = "padding", ("padding",)
+        return "a padding row past the tokenizer's length: no text produces its id", where
     finding.kind = "untrained"
-    return ("never produced: a token added to the vocabulary whose row has not been trained",
-            f"{distance:.2g} of the base rows' typical distance from their mean"
-            + (" (where mean initialisation puts new rows)" if distance <= MEAN_RADIUS else ""))
+    return "never produced: a token added to the vocabulary whose row has not been trained", where
 
 
 def _reserved(token: str | None) -> bool:
@@ -344,6 +350,8 @@ def summary_lines(findings: list[dict], domain: str) -> list[str]:
         elif kind == "shorter copy":
             lines.append(f"{rows} {'are shorter copies' if count != 1 else 'is a shorter copy'} of other rows: "
                          f"{id_ranges(ids)}")
+        elif kind == "padding":
+            lines.append(f"{rows} padding the vocabulary past the tokenizer's length: {id_ranges(ids)}")
         elif kind == "untrained":
             lines.append(f"{rows} added to the vocabulary and not trained yet: {id_ranges(ids)}")
         elif kind == "hull":

@@ -9,7 +9,9 @@ from auditor.report import AuditReport
 
 FINDING_VERDICTS = ("unargmaxable", "tied", "inconclusive", "low-ceiling")
 # what --fail-on names: the verdicts, and "never-emitted", every token greedy decoding can never produce
-GATE_CLASSES = ("unargmaxable", "never-emitted", "tied", "inconclusive", "low-ceiling")
+GATE_CLASSES = ("unargmaxable", "never-emitted", "tied", "inconclusive", "low-ceiling", "padding")
+# "padding": rows past the tokenizer's length (padded vocabularies): no text names their ids, so they fail only
+# when asked for
 # fails on every token greedy decoding can never produce and on none it can; "tied" is left out because the
 # lowest id of a tied group that can win is emitted (a tied row greedy decoding never emits is never-emitted)
 DEFAULT_FAIL_ON = frozenset({"unargmaxable", "never-emitted", "inconclusive", "low-ceiling"})

@@ -82,8 +82,8 @@ def test_every_kind_has_one_next_step_saying_what_people_do(gated):
         assert found[k].next_step == NEXT_STEPS[found[k].kind]
     assert found[7].next_step.startswith("nothing to do for this row: greedy decoding emits it")
     assert found[403].next_step.startswith("re-initialise this row and train it")
-    assert set(NEXT_STEPS) == {"mean", "copy", "shorter copy", "untrained", "hull", "domain", "reserved", "undecided",
-                               "ceiling"}
+    assert set(NEXT_STEPS) == {"mean", "copy", "shorter copy", "untrained", "padding", "hull", "domain", "reserved",
+                               "undecided", "ceiling"}
     assert "include the tokens in training targets" in NEXT_STEPS["untrained"]
     for kind in ("mean", "copy", "shorter copy", "untrained", "hull", "reserved"):
         assert any(word in NEXT_STEPS[kind] for word in ("trained", "re-initialised", "accepted")), kind

@@ -128,15 +128,23 @@ def test_added_tokens_that_cannot_win_are_called_untrained_never_rare(tmp_path):
     yet, with the distance from the base rows' mean, and the advice to train them, not to allow them."""
     folder = _resized_folder(tmp_path)
     report = json.loads(_audit(folder, "--format", "json", "--quiet").stdout)
-    added = [f for f in report["findings"] if f["id"] >= 32]
-    assert {f["id"] for f in added} == set(range(32, 40))
+    added = [f for f in report["findings"] if 32 <= f["id"] < 35]
+    assert {f["id"] for f in added} == {32, 33, 34}
+    padding = [f for f in report["findings"] if f["id"] >= 35]  # past the tokenizer's 35 tokens: no string
+    assert {f["id"] for f in padding} == set(range(35, 40))
+    assert all(f["kind"] == "padding" and f["classes"] == ["padding"] and not f["failing"] for f in padding)
+    assert any(line.startswith("5 rows padding the vocabulary past the tokenizer's length: 35") for line in
+               report["summaries"])
     for finding in added:
         assert finding["kind"] == "untrained", finding
         assert "of the base rows' typical distance from their mean" in finding["explanation"]
         assert "include the tokens in training targets" in finding["next_step"]
         assert "rare or unused" not in finding["next_step"]
     assert "(where mean initialisation puts new rows)" in next(f for f in added if f["id"] == 32)["explanation"]
-    assert any(line.startswith("8 rows added to the vocabulary and not trained yet: 32") for line in report["summaries"])
+    assert any(line.startswith("3 rows added to the vocabulary and not trained yet: 32") for line in report["summaries"])
+    # the padding rows fail only when asked for
+    assert {f["id"] for f in json.loads(_audit(folder, "--format", "json", "--quiet", "--fail-on", "padding").stdout)[
+        "findings"] if f["failing"]} == set(range(35, 40))
 
 
 def test_a_baseline_without_token_strings_compares_by_id_with_a_note(tmp_path):
