@@ -111,7 +111,7 @@ def explain(head: Head, report: AuditReport, findings: list[Finding], first_adde
     from_base = _distance_from_mean(weight, added, base=first_added) if added else {}
     for finding in findings:
         if finding.id in from_base:
-            padding = head.tokens is not None and finding.id >= len(head.tokens)
+            padding = head.tokens is not None and finding.id >= len(head.tokens) and _padded(head.shape[0], len(head.tokens))
             plain, geometry = _explain_added(finding, from_base[finding.id], padding)
             finding.next_step = NEXT_STEPS[finding.kind]
             finding.explanation = f"{plain}; {geometry}"
@@ -163,6 +163,16 @@ def _explain_one(head: Head, report: AuditReport, finding: Finding, distance: fl
               else f"one of {finding.support} other tokens")
     return (f"never produced: whatever the context, {rivals} scores at least as high",
             f"inside the hull of {_mix(head, finding)}")
+
+
+_PAD_MULTIPLES = (8, 16, 32, 64, 128)  # pad_to_multiple_of values in use (LlamaFactory 64, nanoGPT 64, ...)
+
+
+def _padded(n: int, strings: int) -> bool:
+    """Whether the rows past the tokenizer's ``strings`` tokens look like padding: the head has the smallest
+    multiple of 8, 16, ..., 128 rows at or above the tokenizer's length. Rows past the tokenizer added any other
+    way (a resized head saved without its tokenizer) are judged like any other row."""
+    return strings < n and any(n % m == 0 and n - m < strings for m in _PAD_MULTIPLES)
 
 
 def _explain_added(finding: Finding, distance: float, padding: bool) -> tuple[str, str]:
