@@ -76,6 +76,7 @@ class _Lifted:
         self.spread = spread
         self.bias = head.bias.cpu().numpy() if self.has_bias else None
         self.mask = head.row_mask.cpu().numpy() if head.row_mask is not None else None
+        self.centre = head.centre.cpu().numpy()
 
     def points(self, ids: np.ndarray) -> np.ndarray:
         rows = self.head.rows(ids)
@@ -101,7 +102,7 @@ def _decide(problem: _Lifted, k: int, threat: int, rounds: int, add: int):
     head = problem.head
     d = head.d
     l_k = problem.points(np.array([k]))[0]
-    start = head.rows([k])[0] - head.centre.cpu().numpy()  # the screen's direction: k's offset from the centre
+    start = head.rows([k])[0] - problem.centre  # the screen's direction: k's offset from the centre
     gain = problem.gains(np.concatenate([start, [0.0]]) if problem.has_bias else start, k)
     pool = _top(gain, add)
     if 0 <= threat != k and head.representative[threat] == threat:
