@@ -52,3 +52,8 @@ class Head:
         if self.tokens is None or k >= len(self.tokens):
             return None
         return self.tokens[k]
+
+    def ids_of(self, string: str) -> list[int]:
+        """Every id whose token string is exactly ``string``, in order; [] when none is, or the head has no
+        token strings (``tokens`` is None: the caller says which, in its own words)."""
+        return [k for k, token in enumerate(self.tokens or ()) if token == string]

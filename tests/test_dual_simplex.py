@@ -129,7 +129,7 @@ def test_the_own_row_leaves_within_the_default_pivots(seed):
 
 def test_a_biased_mean_row_is_reduced_through_the_basis_with_half_the_dense_excess(rng):
     from auditor.engine.decisions import STAGES
-    from auditor.engine.settle import _CentreRoutes
+    from auditor.engine.settle import CentreRoutes
 
     n, d = 1500, 8
     W = rng.standard_normal((n, d))
@@ -139,7 +139,7 @@ def test_a_biased_mean_row_is_reduced_through_the_basis_with_half_the_dense_exce
     dense = np.arange(n - 1)
     alpha = np.full(n - 1, 1.0 / (n - 1))  # the uniform weights: bias excess exactly 0.01 above b_k
     gap = float(b[-1] - alpha @ b[:-1])
-    reduced = _CentreRoutes(head).reduce(n - 1, dense, alpha, 0.0, gap)
+    reduced = CentreRoutes(head).reduce(n - 1, dense, alpha, 0.0, gap)
     assert reduced is not None and STAGES  # a certificate through the routes
     indices, weights, _, reduced_gap = reduced
     assert indices.size <= d + 2

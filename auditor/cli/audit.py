@@ -11,8 +11,10 @@ import json
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from auditor import trend
 from auditor._io import check_writable, write_atomically
 from auditor._threads import resolve_threads
 from auditor.api import audit
@@ -23,18 +25,21 @@ from auditor.cli import (CommandParser, add_head_options, add_norm_unit_offset_o
                          checkpoint_final_norm, guarded, nonnegative_int, positive_int, positive_seconds,
                          shows_progress)
 from auditor.distributed import DEFAULT_TIMEOUT_S, Launch, run_on_ranks
-from auditor.domain import Norm, parse_domain
+from auditor.domain import Domain, Norm, parse_domain
 from auditor.errors import EXIT_CLEAN, EXIT_FINDINGS, InputError
 from auditor.formats import DOCUMENT_FORMATS, FORMATS
 from auditor.formats.html import render as render_html, require_matplotlib
-from auditor.gate import DEFAULT_FAIL_ON, GATE_CLASSES, AllowList, parse_fail_on, run_gate
-from auditor.loader import list_tensors, load_head
+from auditor.gate import DEFAULT_FAIL_ON, GATE_CLASSES, AllowList, GateResult, parse_fail_on, run_gate
+from auditor.head import Head
+from auditor.loader import list_tensors, load_head, trainer_checkpoints
+from auditor.norm import FinalNorm
 
 
 _EPILOG = """\
 exit codes:
   0  no failing finding
-  1  failing findings: of a class in --fail-on, not allowed (nor unchanged since --baseline)
+  1  failing findings: of a class in --fail-on, not allowed (nor unchanged since --baseline); with
+     --all-checkpoints, at the latest checkpoint
   2  usage, load or input error (one line on stderr; --debug shows the traceback)
 
 examples:
@@ -50,6 +55,8 @@ examples:
   audit model/ --domain norm --ceiling 0.5
   # fail only on findings that an earlier JSON report did not have
   audit model/ --baseline base.json
+  # every checkpoint-N/ of a Trainer's output folder, in step order: when did <tool> become producible?
+  audit output_dir/ --all-checkpoints --tokens '<tool>'
   # four shards (on four machines, or one after another), then one report
   audit model/ --shard 1/4 --format json --output part1.json    # ... 2/4, 3/4, 4/4
   audit-merge part1.json part2.json part3.json part4.json --format markdown
@@ -79,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-offset", type=nonnegative_int, default=0, metavar="N",
                         help="the id the --vocab file's first line names (default 0; 1 for PaddleOCR's CTC "
                              "heads, whose id 0 is the blank)")
+    parser.add_argument("--base", metavar="PATH",
+                        help="for a PEFT adapter folder: the model it was trained on (a folder, a checkpoint file or "
+                             "a Hub id; default: the adapter's base_model_name_or_path, a folder here or a Hub model "
+                             "in the local cache, never fetched); --weight and --bias name its tensors")
     parser.add_argument("--domain", default="unbounded",
                         help="unbounded (default), ball:R, box:R, or norm (the outputs of the checkpoint's final norm)")
     add_norm_unit_offset_option(parser, "the final norm multiplies by 1 + weight (Gemma's convention; detected from "
@@ -119,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "release): findings are marked new or unchanged, and only new ones fail")
     parser.add_argument("--certificates", type=Path, metavar="FILE", help="write every certificate as JSON, for re-checking")
     parser.add_argument("--list-tensors", action="store_true", help="list the checkpoint's 2-D tensors and exit")
+    parser.add_argument("--all-checkpoints", action="store_true",
+                        help="PATH is a Trainer output folder: audit each of its checkpoint-N/ folders with the same "
+                             "options, in step order, and report the trend (text or json: one row per checkpoint, "
+                             "and the watched tokens whose verdict changed); the exit code is the gate's for the "
+                             "LATEST checkpoint")
     add_run_options(parser)
     parser.set_defaults(ranks=None)  # under torchrun: this process's auditor.distributed.Ranks
     return parser
@@ -202,7 +218,7 @@ def _ids_of_string(token: str, head) -> list[int]:
     if head is None or head.tokens is None:
         raise InputError(f"--tokens: {token!r} is not an id or a range like 10-20, and the head has no token "
                          f"strings to look it up")
-    found = [k for k, string in enumerate(head.tokens) if string == token]
+    found = head.ids_of(token)
     if not found:
         raise InputError(f"--tokens: no token is the string {json.dumps(token, ensure_ascii=False)}")
     return found
@@ -226,22 +242,28 @@ def _list_tensors(path: Path) -> str:
     return "".join(f"{info.name:<{width}}  {' x '.join(map(str, info.shape)):>14}  {info.dtype}\n" for info in rows)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.list_tensors:
-        listing = _list_tensors(args.path)
-        if args.ranks is None or args.ranks.is_root:  # under torchrun, once
-            sys.stdout.write(listing)
-        return 0
-    in_blocks = args.work_dir is not None or args.ranks is not None
-    if args.format == "html":  # its plots need matplotlib: say so before the audit, not after
-        if in_blocks:  # its plots need every token's margin, which the blocks' reports do not carry
-            raise InputError("--format html needs the whole audit in one process: with --work-dir or under "
-                             "torchrun write --format json, text or markdown")
-        require_matplotlib()
-    progress = shows_progress(args)
-    for target in (args.output, args.certificates):
-        if target is not None and (args.ranks is None or args.ranks.is_root):  # only rank 0 writes them
-            check_writable(target)
+@dataclass
+class _Options:
+    """What every audit of one command shares, checked before a checkpoint is loaded."""
+
+    domain: Domain
+    fail_on: frozenset[str]
+    allow: AllowList | None
+    baseline: Baseline | None
+    progress: bool
+
+
+@dataclass
+class _Checkpoint:
+    """One checkpoint's head, loaded, with the ids to decide on it (None: all) and the final norm the domain needs."""
+
+    head: Head
+    tokens: list[int] | None
+    final_norm: FinalNorm | None
+    load_seconds: float
+
+
+def _checked_options(args: argparse.Namespace) -> _Options:
     domain = parse_domain(args.domain)  # a typo should not cost a checkpoint load
     resolve_threads(args.threads)  # nor a bad OMP_NUM_THREADS
     fail_on = parse_fail_on(args.fail_on)
@@ -251,14 +273,58 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--vocab-offset needs --vocab FILE")
     if args.vocab is not None and not args.vocab.is_file():
         raise InputError(f"--vocab {args.vocab}: no such file")
+    if args.ceiling is not None and not 0 < args.ceiling <= 1:
+        raise InputError(f"--ceiling takes a probability in (0, 1], got {args.ceiling}")
+    return _Options(domain, fail_on, allow, baseline, shows_progress(args))
+
+
+def _load_checkpoint(args: argparse.Namespace, path, options: _Options) -> _Checkpoint:
+    """The head at ``path`` (a file, folder or Hub id), checked against the baseline, with --tokens' ids on it."""
+    domain, baseline = options.domain, options.baseline
     started = time.perf_counter()
-    head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress,
-                     need_norm=domain == Norm(), vocab=args.vocab, vocab_offset=args.vocab_offset)
+    head = load_head(path, weight=args.weight, bias=args.bias, progress=options.progress,
+                     need_norm=domain == Norm(), vocab=args.vocab, vocab_offset=args.vocab_offset, base=args.base)
     load_seconds = time.perf_counter() - started
     if baseline is not None:
         baseline.check(head, domain, args.ceiling)
     # "--tokens ''" is a mistake to report, not a request to audit everything
     tokens = parse_token_ids(args.tokens, head.shape[0], head, baseline) if args.tokens is not None else None
+    final_norm = None
+    if domain == Norm():
+        final_norm = checkpoint_final_norm(head, path, "--domain norm needs the final norm", args.norm_unit_offset)
+    return _Checkpoint(head, tokens, final_norm, load_seconds)
+
+
+def _audit_and_gate(args: argparse.Namespace, checkpoint: _Checkpoint, options: _Options) -> GateResult:
+    """One process's audit of the checkpoint, through the gate."""
+    head = checkpoint.head
+    report = audit(head.audited, head.bias, domain=options.domain, device=args.device, tokens=checkpoint.tokens,
+                   progress=options.progress, final_norm=checkpoint.final_norm,
+                   probability_ceiling=args.ceiling is not None, threads=args.threads)
+    return run_gate(head, report, options.fail_on, options.allow, checkpoint.load_seconds, args.ceiling,
+                    options.baseline)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_tensors:
+        listing = _list_tensors(args.path)
+        if args.ranks is None or args.ranks.is_root:  # under torchrun, once
+            sys.stdout.write(listing)
+        return 0
+    if args.all_checkpoints:
+        return _run_all_checkpoints(args)
+    in_blocks = args.work_dir is not None or args.ranks is not None
+    if args.format == "html":  # its plots need matplotlib: say so before the audit, not after
+        if in_blocks:  # its plots need every token's margin, which the blocks' reports do not carry
+            raise InputError("--format html needs the whole audit in one process: with --work-dir or under "
+                             "torchrun write --format json, text or markdown")
+        require_matplotlib()
+    for target in (args.output, args.certificates):
+        if target is not None and (args.ranks is None or args.ranks.is_root):  # only rank 0 writes them
+            check_writable(target)
+    options = _checked_options(args)
+    checkpoint = _load_checkpoint(args, args.path, options)
+    head, tokens = checkpoint.head, checkpoint.tokens
     shard = None
     if args.shard:
         index, count, part = parse_shard(args.shard, head.shape[0])
@@ -266,33 +332,33 @@ def run(args: argparse.Namespace) -> int:
         shard = {"index": index, "count": count, "first": part.start, "stop": part.stop}
         if not tokens:
             raise InputError(f"--shard {args.shard}: no tokens to decide in ids {part.start}..{part.stop - 1}")
-    final_norm = None
-    if domain == Norm():
-        final_norm = checkpoint_final_norm(head, args.path, "--domain norm needs the final norm", args.norm_unit_offset)
-    if args.ceiling is not None and not 0 < args.ceiling <= 1:
-        raise InputError(f"--ceiling takes a probability in (0, 1], got {args.ceiling}")
+        checkpoint.tokens = tokens
     if in_blocks:
-        job = AuditJob(head, domain, args.device, args.threads, final_norm, args.ceiling, fail_on, allow, baseline,
-                       allow_path=args.allow, baseline_path=args.baseline,
+        job = AuditJob(head, options.domain, args.device, args.threads, checkpoint.final_norm, args.ceiling,
+                       options.fail_on, options.allow, options.baseline, allow_path=args.allow,
+                       baseline_path=args.baseline,
                        certificates=args.certificates is not None or args.work_dir is not None)
-        merged = audit_in_blocks(job, tokens, shard, load_seconds, work_dir=args.work_dir, block_size=args.block_size,
-                                 ranks=args.ranks, progress=progress)
+        merged = audit_in_blocks(job, tokens, shard, checkpoint.load_seconds, work_dir=args.work_dir,
+                                 block_size=args.block_size, ranks=args.ranks, progress=options.progress)
         if merged is None:  # another rank writes the report
             return EXIT_CLEAN
         document, certificates = merged
         warnings, rendered = document["warnings"], DOCUMENT_FORMATS[args.format](document)
         exit_code = EXIT_FINDINGS if document["summary"]["failing"] else EXIT_CLEAN
     else:
-        report = audit(head.audited, head.bias, domain=domain, device=args.device, tokens=tokens,
-                               progress=progress, final_norm=final_norm, probability_ceiling=args.ceiling is not None,
-                               threads=args.threads)
-        result = run_gate(head, report, fail_on, allow, load_seconds, args.ceiling, baseline)
+        result = _audit_and_gate(args, checkpoint, options)
         result.shard = shard
         # the page's footer gives the command that reproduces it, which names the files this run writes
         rendered = (render_html(result, output=args.output, certificates=args.certificates) if args.format == "html"
                     else FORMATS[args.format](result))
         warnings, exit_code = result.warnings, result.exit_code
-        certificates = certificates_document(head, report) if args.certificates else None
+        certificates = certificates_document(head, result.report) if args.certificates else None
+    _deliver(args, rendered, warnings, certificates)
+    return exit_code
+
+
+def _deliver(args: argparse.Namespace, rendered: str, warnings: list[str], certificates: dict | None = None) -> None:
+    """Warnings on stderr; the report (and the certificates) written atomically, or the report on stdout."""
     for warning in warnings:
         print(f"audit: warning: {warning}", file=sys.stderr)
     files: dict[Path, str] = {}
@@ -303,7 +369,39 @@ def run(args: argparse.Namespace) -> int:
     write_atomically(files)
     if not args.output:
         sys.stdout.write(rendered)
-    return exit_code
+
+
+def _run_all_checkpoints(args: argparse.Namespace) -> int:
+    """--all-checkpoints: each checkpoint-N/ folder of a Trainer's output folder audited alike, in step order, and
+    their trend rendered (auditor/trend.py). Returns the gate's exit code for the latest checkpoint."""
+    if args.shard or args.work_dir is not None or args.ranks is not None or args.certificates is not None:
+        raise InputError("--all-checkpoints audits each checkpoint whole, in one process: it takes no --shard, "
+                         "--work-dir, --certificates or torchrun (audit one checkpoint-N/ folder for those)")
+    if args.format not in ("text", "json"):
+        raise InputError(f"--all-checkpoints writes --format text or json, not {args.format}")
+    checkpoints = trainer_checkpoints(args.path)
+    if not checkpoints:
+        if not Path(args.path).exists():
+            raise InputError(f"{args.path}: no such file or folder")
+        raise InputError(f"{args.path}: not a Trainer output folder (checkpoint-N/ folders and no checkpoint of its "
+                         f"own), which --all-checkpoints needs; leave the option out to audit it alone")
+    if args.output is not None:
+        check_writable(args.output)
+    options = _checked_options(args)
+    summaries, warnings = [], []
+    for number, (step, folder) in enumerate(checkpoints, start=1):
+        checkpoint = _load_checkpoint(args, folder, options)
+        result = _audit_and_gate(args, checkpoint, options)
+        summary = trend.summarise(folder.name, step, result, checkpoint.tokens)  # --tokens' ids are the watched ones
+        summaries.append(summary)
+        warnings += [f"{folder.name}: {warning}" for warning in result.warnings]
+        if not args.quiet:
+            print(f"audit: {folder.name} ({number}/{len(checkpoints)}): {summary.counts['unargmaxable']} "
+                  f"unargmaxable, {summary.never_emitted} never emitted, gate {summary.gate}", file=sys.stderr)
+    rendered = (trend.render_json(summaries) if args.format == "json"
+                else trend.render_text(str(args.path), summaries))
+    _deliver(args, rendered, warnings)
+    return summaries[-1].exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,6 +60,9 @@ class NormalForm:
     weight_exponent: int  # a
     logit_exponent: int  # c
     translation: torch.Tensor | None  # the offset subtracted from every row (units of the rows as given)
+    # median_row of ``weight``: the given rows' median moved by the same exact steps (a translation by
+    # itself gives 0; rounding and powers of two are non-decreasing maps, and commute with order statistics)
+    median: torch.Tensor | None = None
 
     def given_length(self, length: float) -> float:
         """A distance between rows of the normal form, in the units of the rows as given."""
@@ -167,7 +170,8 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
         row_error = row_error * _power(a)
     if bias_error is not None:
         bias_error = bias_error * _power(c)
-    return NormalForm(weight, bias, domain.scaled(c - a), row_error, bias_error, a, c, translation)
+    median = torch.zeros_like(centre) if translation is not None else _scaled(centre, a, "head")
+    return NormalForm(weight, bias, domain.scaled(c - a), row_error, bias_error, a, c, translation, median)
 
 
 def _peak_offset(weight: torch.Tensor, centre: torch.Tensor) -> float:

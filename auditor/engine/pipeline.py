@@ -56,13 +56,15 @@ from auditor.engine.lp import lp_decide_all
 from auditor.engine.normal_form import normal_form, times_power_of_two, to_given_units
 from auditor.engine.rounding import per_unit_norm, safe_norm
 from auditor.engine.screen import screen, whitened_witnesses
-from auditor.engine.settle import settle_dual, settle_frank_wolfe, sparsify
+from auditor.engine.settle import CentreRoutes, settle_dual, settle_frank_wolfe, sparsify
 from auditor.engine.ties import duplicate_groups
 from auditor.engine.tilt import tilted_certificates
 
 _DUAL_FACTOR = 4
 _QUICK_ITERATIONS = 16  # Frank-Wolfe iterations for witnesses before the minimum-norm rounds
 _DIRECT_LP_WIDTH = 8  # heads of at most this width go from the interior stage straight to the exact LP
+_FEW_SHARE = 64  # at most 1/64 of the competitors requested: the few-token route (decide)
+_NEVER = 1 << 62  # a head size no head reaches: switches the bfloat16 pass and whitened witnesses off
 
 
 @dataclass
@@ -109,7 +111,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     competitor = torch.as_tensor(representative == np.arange(n), device=weight.device)
     form = normal_form(weight, bias, domain, competitor, row_error, bias_error)
     head = build_engine_head(form.weight, form.bias, representative, form.domain, options.residual_tol,
-                             form.row_error, form.bias_error)
+                             form.row_error, form.bias_error, form.median)
     head.decide_at_tolerance = options.decide_at_tolerance
     head.bfloat16_entries, head.whitened_entries = options.bfloat16_entries, options.whitened_entries
     if form.translation is not None:
@@ -130,11 +132,26 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
         _single_row(out, todo, head.d)
         todo = todo[:0]
 
+    # A few tokens of a large head (a vocabulary's added rows): nothing is built for the whole head
+    # before it pays for itself. The bfloat16 pass (a copy of the head) and the whitened witnesses (its
+    # covariance) are left out of the screen, and the rows it leaves try the bases around the centre
+    # first (settle.CentreRoutes: a pool of 3D rows, one of 2D, and a basis on each), where a
+    # mean-initialised row takes a few pivots; only the tokens still left go the whole way.
+    few = len(todo) * _FEW_SHARE <= head.n_competitors
+    if few:
+        head.bfloat16_entries = head.whitened_entries = _NEVER
     clock = time.perf_counter()
     left, threat = _screen(head, out, todo, progress)
     timings["screen"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
+    routes = None
+    if few and len(left):
+        routes = CentreRoutes(head)
+        left, threat = _centre_first(routes, out, left, threat)
+        if len(left):
+            head.whitened_entries = options.whitened_entries
+            left, threat = _whitened(head, out, left, threat, None)
     left, threat = _interior(head, out, left, threat)
     timings["interior"] = time.perf_counter() - clock
 
@@ -181,7 +198,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     timings["lp"] = lp_first + time.perf_counter() - clock
 
     clock = time.perf_counter()
-    sparsify(head, out)
+    sparsify(head, out, routes)
     timings["sparsify"] = time.perf_counter() - clock
 
     to_given_units(out, form, head)
@@ -214,8 +231,14 @@ def _screen(head: EngineHead, out: Decisions, todo: np.ndarray, progress: bool) 
     out.runner_up[todo[won]] = screened.runner_up[won]
     out.witness_shift[todo[won]] = screened.shift[won]
     out.witness_scale[todo[won]] = screened.scale[won]
-    left, threat = todo[~won], screened.threat[~won]
-    tried, witnesses, check = whitened_witnesses(head, left, screened.centred)
+    return _whitened(head, out, todo[~won], screened.threat[~won], screened.centred)
+
+
+def _whitened(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray, centred
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Record the whitened witnesses (screen.whitened_witnesses, where the head's size calls for them);
+    returns the tokens left."""
+    tried, witnesses, check = whitened_witnesses(head, left, centred)
     if check is not None:
         sizes = safe_norm(witnesses, dim=1).cpu().numpy()
         for j, row in enumerate(tried.tolist()):
@@ -226,6 +249,17 @@ def _screen(head: EngineHead, out: Decisions, todo: np.ndarray, progress: bool) 
         keep = out.verdict[left] == UNDECIDED
         left, threat = left[keep], threat[keep]
     return left, threat
+
+
+def _centre_first(routes: CentreRoutes, out: Decisions, left: np.ndarray, threat: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Certificates on at most D rows straight from the bases around the centre (the few-token route)."""
+    for k in left.tolist():
+        found = routes.direct(k)
+        if found is not None:
+            set_convex(out, k, *found, "interior")
+    keep = out.verdict[left] == UNDECIDED
+    return left[keep], threat[keep]
 
 
 def _interior(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -88,7 +88,7 @@ def settle_dual(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, see
             seeds[k].append(outcome.support)
 
 
-def sparsify(head: EngineHead, out: Decisions) -> None:
+def sparsify(head: EngineHead, out: Decisions, routes: CentreRoutes | None = None) -> None:
     """Replace every convex certificate on more than D rows by one on at most D (caratheodory.py).
 
     The reduced weights must pass the same float64 check (re-solved on their
@@ -96,9 +96,10 @@ def sparsify(head: EngineHead, out: Decisions) -> None:
     dense certificate stands. Certificates whose bulk lies near the centre of
     the head (those of the interior stage, where mean-initialised rows go, and
     without a bias any whose heaviest row holds at most 10 % of the weight) first try routes
-    through rows around the centre (_CentreRoutes). The rest, and whatever those
+    through rows around the centre (CentreRoutes). The rest, and whatever those
     routes miss, take full reductions together (caratheodory.reduce_supports):
     the elimination steps of up to 8 of them are one batch of tensor operations.
+    ``routes`` are those an earlier stage built (the few-token route of pipeline.py), reused.
     """
     dim = lifted_dimension(head)
     dense = [k for k, (indices, _, _, _) in out.convex.items() if indices.size > dim]
@@ -106,7 +107,8 @@ def sparsify(head: EngineHead, out: Decisions) -> None:
     # Newton's lean towards the rows of larger bias, which the rows around the centre do not reach
     near = [k for k in dense if out.stage[k] == STAGES.index("interior")
             or (head.bias is None and out.convex[k][1].max() <= _SPREAD_WEIGHT)]
-    routes = _CentreRoutes(head) if near else None
+    if near and routes is None:
+        routes = CentreRoutes(head)
     routed = set(near)
     left = [k for k in dense if k not in routed]
     for k in near:
@@ -122,7 +124,7 @@ def sparsify(head: EngineHead, out: Decisions) -> None:
 _SPREAD_WEIGHT = 0.1  # a dense certificate whose heaviest weight is at most this has its bulk near the centre
 
 
-class _CentreRoutes:
+class CentreRoutes:
     """Sparse certificates through rows around the centre of the head, tried in turn, cheapest first:
 
     1. the dual simplex from the basis of the centre on the at most 2D rows the
@@ -155,16 +157,27 @@ class _CentreRoutes:
             self.bases[name] = Basis(self.head, (pool if name == "centre" else self.spread).indices, support)
         return self.bases[name]
 
-    def reduce(self, k: int, indices: np.ndarray, weights: np.ndarray, residual: float, gap: float,
-               interior: bool = True) -> tuple[np.ndarray, np.ndarray, float, float] | None:
-        """(indices, weights, residual, bias gap) of an accepted certificate on at most D rows, or None; route 3
-        only for an ``interior`` certificate."""
-        target = _lifted_target(self.head, k, gap)
+    def direct(self, k: int) -> tuple[np.ndarray, np.ndarray, float, float] | None:
+        """A certificate for token k on at most D rows straight from the bases (routes 1 and 2), with no
+        dense certificate to start from: the point reproduced is (w_k, b_k, 1), a bias gap of 0 up to
+        rounding, which the check settles. None when neither basis reaches the point."""
+        return self._from_bases(k, lifted_points(self.head, np.array([k]))[0])
+
+    def _from_bases(self, k: int, target: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, float] | None:
         for name, pivots in (("centre", self.dim), ("spread", 3 * self.dim)) if self.centre is not None else ():
             found = self._basis(name).certificate(k, target, max_pivots=pivots)
             check = check_convex(self.head, k, *found) if found is not None else None
             if check is not None and check.accepted:
                 return (*found, check.residual, check.bias_gap)
+        return None
+
+    def reduce(self, k: int, indices: np.ndarray, weights: np.ndarray, residual: float, gap: float,
+               interior: bool = True) -> tuple[np.ndarray, np.ndarray, float, float] | None:
+        """(indices, weights, residual, bias gap) of an accepted certificate on at most D rows, or None; route 3
+        only for an ``interior`` certificate."""
+        found = self._from_bases(k, _lifted_target(self.head, k, gap))
+        if found is not None:
+            return found
         if not interior:  # moving the bulk suits certificates spread around the centre, not a tilt's
             return None
         pools = [pool for pool in (self.centre[0] if self.centre is not None else None, self.spread) if pool is not None]

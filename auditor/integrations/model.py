@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 
 from auditor.api import audit
@@ -18,6 +17,7 @@ from auditor.errors import InputError
 from auditor.findings import DEFAULT_FAIL_ON
 from auditor.gate import AllowList, GateResult, run_gate
 from auditor.head import Head
+from auditor.trend import min_margin
 
 
 def output_head(model, head=None) -> tuple[torch.Tensor, torch.Tensor | None, str, bool]:
@@ -54,11 +54,12 @@ def token_strings(tokenizer) -> tuple[list[str | None] | None, int | None]:
     return list(tokenizer.convert_ids_to_tokens(list(range(size)))), int(tokenizer.vocab_size)
 
 
-def watched_ids(tokens, n: int, base_vocab: int | None, strings: list[str | None] | None) -> list[int] | None:
-    """The ids ``tokens`` names: None (every token), ``"added"`` (the ids past the tokenizer model's own
-    vocabulary), or ids and token strings."""
+def watched_ids(tokens, head: Head) -> list[int] | None:
+    """The ids ``tokens`` names on ``head``: None (every token), ``"added"`` (the ids past the tokenizer model's
+    own vocabulary), or ids and token strings."""
     if tokens is None:
         return None
+    n, base_vocab = head.shape[0], head.base_vocab
     if isinstance(tokens, str) and tokens == "added":
         if base_vocab is None:
             raise InputError("tokens='added' needs the tokenizer (its own vocabulary tells the added tokens apart): "
@@ -70,9 +71,9 @@ def watched_ids(tokens, n: int, base_vocab: int | None, strings: list[str | None
     ids = []
     for token in ([tokens] if isinstance(tokens, (str, int)) else tokens):
         if isinstance(token, str):
-            found = [k for k, s in enumerate(strings or []) if s == token]
+            found = head.ids_of(token)
             if not found:
-                raise InputError(f"no token is the string {token!r}" + ("" if strings else ": no tokenizer given"))
+                raise InputError(f"no token is the string {token!r}" + ("" if head.tokens else ": no tokenizer given"))
             ids += found
         else:
             ids.append(int(token))
@@ -94,13 +95,13 @@ def audit_model(model, tokens: str | Iterable[int | str] | None = None, *, token
     and the AuditReport as ``report``. Findings about added tokens are of kind ``untrained``."""
     weight, bias, name, tied = output_head(model, head)
     strings, base_vocab = token_strings(tokenizer)
-    ids = watched_ids(tokens, weight.shape[0], base_vocab, strings)
-    device = "cuda" if weight.is_cuda else "cpu"
-    with torch.no_grad():
-        report = audit(weight, bias, tokens=ids, domain=domain, device=device, progress=progress, threads=threads)
     described = Head(weight=weight, bias=bias, weight_name=f"{name}.weight", bias_name=None if bias is None else
                      f"{name}.bias", tied=tied, tokens=strings, token_source=None if strings is None else "tokenizer",
                      source_format="model", base_vocab=base_vocab)
+    ids = watched_ids(tokens, described)
+    device = "cuda" if weight.is_cuda else "cpu"
+    with torch.no_grad():
+        report = audit(weight, bias, tokens=ids, domain=domain, device=device, progress=progress, threads=threads)
     return run_gate(described, report, fail_on, allow)
 
 
@@ -120,12 +121,6 @@ def metrics(result) -> dict[str, float]:
     """The logged values of one audit: counts over the watched tokens (those decided), and the smallest lead
     among them, 0 while one of them cannot win."""
     report = result.report
-    counts = report.counts
-    margins = report.margins()[report.ids("argmaxable")]
-    margins = margins[np.isfinite(margins)]
-    never = report.never_emitted()
-    blocked = bool(never) or counts["inconclusive"] > 0
-    lowest = 0.0 if blocked or margins.size == 0 else float(margins.min())
-    return {"argmaxability/unargmaxable": float(counts["unargmaxable"]),
-            "argmaxability/never_emitted": float(len(never)),
-            "argmaxability/min_margin": lowest}
+    return {"argmaxability/unargmaxable": float(report.counts["unargmaxable"]),
+            "argmaxability/never_emitted": float(len(report.never_emitted())),
+            "argmaxability/min_margin": min_margin(report)}

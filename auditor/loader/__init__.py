@@ -8,7 +8,7 @@ onnx_head.py), each recognised by its contents (formats.py), whatever its name. 
 hold config.json (whether the head is tied, the norm's epsilon; config.py) and tokenizer.json or
 vocab.txt (token strings); a character list given with --vocab names the tokens instead.
 A Hub model id is resolved to files in the local cache (hub.py), which are read
-as a folder's are.
+as a folder's are. A PEFT adapter folder gives its changes to its base model's head (peft_adapter.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from auditor.loader.formats import DESCRIPTIONS, WEIGHT_FILES, foreign_format, i
 from auditor.loader.hub_id import is_hub_id, parse_hub_id
 from auditor.loader.naming import choose_head, is_input_embedding
 from auditor.loader.onnx_head import PADDLE_CHARACTERS, OnnxStore, paddle_characters
+from auditor.loader.peft_adapter import adapter_folder, load_adapter_head, not_an_adapter
 from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore, read_index
 from auditor.loader.tokens import base_vocabulary_size, read_token_strings, read_vocabulary
 
@@ -121,7 +122,8 @@ def _flat_bias(bias):
 
 
 def load_head(path, weight: str | None = None, bias: str | None = None, progress: bool = False,
-              need_norm: bool = False, store=None, vocab: Path | None = None, vocab_offset: int = 0) -> Head:
+              need_norm: bool = False, store=None, vocab: Path | None = None, vocab_offset: int = 0,
+              base=None) -> Head:
     """Load a head from a checkpoint file or model folder.
 
     ``weight`` / ``bias`` name the tensors explicitly (``weight="A@B"``: the head
@@ -138,8 +140,14 @@ def load_head(path, weight: str | None = None, bias: str | None = None, progress
 
     ``vocab`` is a file of token strings, one per line, line i naming id i + ``vocab_offset`` (a character
     list); it replaces any other source of token strings.
+
+    A PEFT adapter folder (adapter_config.json) gives the head its changes make of its base model's head
+    (loader/peft_adapter.py): ``base`` is that model (a path or Hub id), by default the adapter's own
+    base_model_name_or_path; ``weight`` / ``bias`` then name the base's tensors.
     """
     vocabulary = (Path(vocab), vocab_offset) if vocab is not None else None
+    if base is not None and (store is not None or is_hub_id(path)):
+        raise not_an_adapter(path, base)
     if store is None and is_hub_id(path):
         repo_id, revision = parse_hub_id(path)
         model = hub.resolve(repo_id, revision, weight=weight, bias=bias, need_norm=need_norm, progress=progress)
@@ -149,26 +157,40 @@ def load_head(path, weight: str | None = None, bias: str | None = None, progress
             head.notes.append(model.note)
         return head
     path = Path(path)
-    latest = _latest_trainer_checkpoint(path) if store is None else None
+    adapter = adapter_folder(path) if store is None else None
+    latest = _latest_trainer_checkpoint(path) if store is None and adapter is None else None
     if latest is not None:
-        head = _read_head(latest[0], weight, bias, progress, None, vocabulary)
+        adapter = adapter_folder(latest[0])
+    if base is not None and adapter is None:
+        raise not_an_adapter(path, base)
+    if adapter is not None:  # a PEFT adapter: its changes over its base model's head (loader/peft_adapter.py)
+        head = load_adapter_head(adapter, base, load_head, vocabulary, weight=weight, bias=bias, progress=progress,
+                                 need_norm=need_norm)
+    else:
+        head = _read_head(path if latest is None else latest[0], weight, bias, progress, store, vocabulary)
+    if latest is not None:
         head.notes.append(latest[1])
-        return head
-    return _read_head(path, weight, bias, progress, store, vocabulary)
+    return head
 
 
 _TRAINER_CHECKPOINT = re.compile(r"checkpoint-([0-9]+)")
 
 
-def _latest_trainer_checkpoint(path: Path) -> tuple[Path, str] | None:
-    """A Trainer's output folder (checkpoint-N/ folders and no checkpoint of its own): its latest checkpoint
-    folder and the note that says so; None for any other path."""
+def trainer_checkpoints(path) -> list[tuple[int, Path]]:
+    """The (step, folder) of each checkpoint-N/ folder of a Trainer's output folder (checkpoint-N/ folders and
+    no checkpoint of its own), in step order; [] for any other path."""
+    path = Path(path)
     if not path.is_dir() or any((path / name).is_file() for name in WEIGHT_FILES):
-        return None
+        return []
     if any(p.suffix.lower() in (".safetensors", ".gguf", ".onnx") for p in path.iterdir() if p.is_file()):
-        return None
-    steps = sorted((int(match[1]), child) for child in path.iterdir()
-                   if child.is_dir() and (match := _TRAINER_CHECKPOINT.fullmatch(child.name)))
+        return []
+    return sorted((int(match[1]), child) for child in path.iterdir()
+                  if child.is_dir() and (match := _TRAINER_CHECKPOINT.fullmatch(child.name)))
+
+
+def _latest_trainer_checkpoint(path: Path) -> tuple[Path, str] | None:
+    """A Trainer's output folder: its latest checkpoint folder and the note that says so; None for any other path."""
+    steps = trainer_checkpoints(path)
     if not steps:
         return None
     step, folder = steps[-1]
