@@ -112,8 +112,11 @@ def centre_pool(head: EngineHead, spread: Pool) -> tuple[Pool, np.ndarray] | Non
     near the centre that this smaller pool surrounds them too, and, like ``spread``, it depends on the
     head alone. None when the spread pool does not surround the centre."""
     rows = torch.nonzero(head.competitor).flatten().cpu().numpy()
+    centre = head.centre.cpu().numpy()  # the uniform weights' combination, found with the head
+    if head.bias is not None:
+        centre = np.append(centre, float(head.bias[head.competitor].mean()))
     narrowed: list[Pool] = []
-    found = from_pool(head, spread, -1, rows, np.full(rows.size, 1.0 / rows.size), narrowed=narrowed)
+    found = from_pool(head, spread, -1, rows, np.full(rows.size, 1.0 / rows.size), narrowed=narrowed, total=centre)
     return (narrowed[0], found[0]) if found is not None and narrowed else None
 
 
@@ -127,7 +130,8 @@ class Pool:
 
 
 def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights: np.ndarray,
-              heaviest: int = 8, narrowed: list[Pool] | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+              heaviest: int = 8, narrowed: list[Pool] | None = None, total: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray] | None:
     """Reduce token k's certificate, whose bulk lies near a pool of rows, without a full reduction.
 
     The certificate's ``heaviest`` rows keep their weights; the rest of its mass
@@ -136,18 +140,23 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
     the pool's hull), and the union, at most 2D + ``heaviest`` rows, is reduced
     by one elimination. None when the pool does not surround the point. A pool of more than 2D rows
     takes one merge round first; its last round's at most 2D rows, a pool around this point, are
-    appended to ``narrowed`` when given.
+    appended to ``narrowed`` when given. ``total``, when the caller has it, is the certificate's point
+    sum_i weights_i (w_i, b_i) (without the 1), which spares the pass over the head that finds the rest's.
     """
     order = np.argsort(-weights, kind="stable")
     top, rest = order[:heaviest], order[heaviest:]
     mass = float(weights[rest].sum())
     if mass <= 0:
         return None
-    dense = torch.zeros(head.n, dtype=torch.float64, device=head.device)
-    dense[torch.as_tensor(indices[rest], device=head.device)] = torch.as_tensor(weights[rest], device=head.device)
-    target = head.combine(dense[None, :])[0].cpu().numpy() / mass  # one pass over the head, by blocks
-    if head.bias is not None:
-        target = np.append(target, float(dense @ head.bias) / mass)
+    if total is not None:  # the whole point less the heaviest rows' part
+        target = (total - weights[top] @ lifted_points(head, indices[top])[:, :-1]) / mass
+    else:
+        dense = torch.zeros(head.n, dtype=torch.float64, device=head.device)
+        dense[torch.as_tensor(indices[rest], device=head.device)] = torch.as_tensor(weights[rest],
+                                                                                    device=head.device)
+        target = head.combine(dense[None, :])[0].cpu().numpy() / mass  # one pass over the head, by blocks
+        if head.bias is not None:
+            target = np.append(target, float(dense @ head.bias) / mass)
     others = pool.indices != k  # the token may sit among the rows another token's certificate used
     spread = _maximum_entropy(pool.points[others, :-1], target)  # from theta = 0: no token depends on another
     if spread is None:

@@ -18,7 +18,9 @@ The coordinates: each lifted coordinate is divided by its largest magnitude on
 the pool (so that the units of w, b and 1 do not matter), and the points are
 projected onto their leading right singular vectors. Rows of a normalised head,
 and a bias that is a linear function of the rows (a LayerNorm's shift), span
-fewer than D dimensions; the basis has as many rows as the span. Nothing here is
+fewer than D dimensions; the basis has as many rows as the span (found by an SVD
+of the pool, unless the start's D rows are far from singular: then they span R^D
+and the scaled coordinates serve as they are). Nothing here is
 trusted: the weights found are refined once against their basis and go
 through certify.check_convex like every other certificate.
 """
@@ -49,11 +51,16 @@ class Basis:
         lifted = lifted_points(head, self.pool)
         self.scale = np.abs(lifted).max(axis=0)
         self.scale[self.scale == 0] = 1.0  # a coordinate zero on every pool row
-        _, sigma, vt = np.linalg.svd(lifted / self.scale, full_matrices=False)
-        self.span = vt[:int((sigma > _SPAN * sigma[0]).sum())].T  # D x r
-        self.points = (lifted / self.scale) @ self.span  # m x r
+        scaled = lifted / self.scale
         position = np.flatnonzero(np.isin(self.pool, start))
-        self.start = _independent(self.points, position)
+        if position.size == scaled.shape[1] and _well_conditioned(scaled[position]):
+            # D start rows that span R^D: so does the pool, and the working coordinates are the scaled ones
+            self.span, self.points, self.start = None, scaled, position
+        else:
+            _, sigma, vt = np.linalg.svd(scaled, full_matrices=False)
+            self.span = vt[:int((sigma > _SPAN * sigma[0]).sum())].T  # D x r
+            self.points = scaled @ self.span  # m x r
+            self.start = _independent(self.points, position)
         self.inverse = np.linalg.inv(self.points[self.start].T) if self.start is not None else None
 
     def certificate(self, k: int, point: np.ndarray | None = None, max_pivots: int | None = None
@@ -66,8 +73,10 @@ class Basis:
             return None
         if point is None:
             point = lifted_points(self.head, np.array([k]))[0]
-        target = (point / self.scale) @ self.span
-        r = self.span.shape[1]
+        target = point / self.scale
+        if self.span is not None:
+            target = target @ self.span
+        r = self.points.shape[1]
         max_pivots = r if max_pivots is None else max_pivots
         basis, inverse = self.start.copy(), self.inverse.copy()
         weights = inverse @ target
@@ -123,6 +132,19 @@ class Basis:
         if not keep.any():
             return None
         return self.pool[basis[keep]], weights[keep] / weights[keep].sum()
+
+
+_CONDITION = 1e-6  # reciprocal condition number (1-norm estimate) from which a square start is used as it is
+
+
+def _well_conditioned(square: np.ndarray) -> bool:
+    """Whether a square matrix is far from singular: LAPACK's estimate of its reciprocal 1-norm condition
+    number from an LU factorisation (O(D^3) once, against an SVD of the whole pool and two pivoted QRs)."""
+    factors, _, info = scipy.linalg.lapack.dgetrf(square)
+    if info != 0:
+        return False
+    rcond, info = scipy.linalg.lapack.dgecon(factors, float(np.abs(square).sum(axis=0).max()), norm="1")
+    return info == 0 and rcond >= _CONDITION
 
 
 def _independent(points: np.ndarray, chosen: np.ndarray) -> np.ndarray | None:

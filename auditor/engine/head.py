@@ -258,7 +258,9 @@ def median_row(weight: torch.Tensor, competitor: torch.Tensor) -> torch.Tensor:
     for s in range(0, weight.shape[1], width):
         columns = weight[:, s:s + width].index_select(0, rows).T.contiguous()
         median[s:s + width] = _lower_median_of_rows(columns).to(torch.float64)
-    return median + 0.0  # -0.0 as 0.0: the selections may return either zero, the translation must not differ
+    # a zero median as -0.0, whichever zero the selection returned: then w - m turns both zeros of a column
+    # into +0.0, as the translation of W + v turns the entries equal to its median (x - x = +0.0)
+    return torch.where(median == 0, torch.full_like(median, -0.0), median)
 
 
 def _lower_median_of_rows(block: torch.Tensor) -> torch.Tensor:

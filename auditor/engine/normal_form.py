@@ -170,7 +170,7 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
         row_error = row_error * _power(a)
     if bias_error is not None:
         bias_error = bias_error * _power(c)
-    median = torch.zeros_like(centre) if translation is not None else _scaled(centre, a, "head")
+    median = torch.full_like(centre, -0.0) if translation is not None else _scaled(centre, a, "head")
     return NormalForm(weight, bias, domain.scaled(c - a), row_error, bias_error, a, c, translation, median)
 
 

@@ -137,7 +137,9 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     # covariance) are left out of the screen, and the rows it leaves try the bases around the centre
     # first (settle.CentreRoutes: a pool of 3D rows, one of 2D, and a basis on each), where a
     # mean-initialised row takes a few pivots; only the tokens still left go the whole way.
-    few = len(todo) * _FEW_SHARE <= head.n_competitors
+    # (Not where a token may hold a witness and convex weights at once, decide_at_tolerance off: there the
+    # whitened witnesses must go before any convex certificate, as in the whole audit.)
+    few = len(todo) * _FEW_SHARE <= head.n_competitors and head.decide_at_tolerance
     if few:
         head.bfloat16_entries = head.whitened_entries = _NEVER
     clock = time.perf_counter()

@@ -122,6 +122,7 @@ def sparsify(head: EngineHead, out: Decisions, routes: CentreRoutes | None = Non
 
 
 _SPREAD_WEIGHT = 0.1  # a dense certificate whose heaviest weight is at most this has its bulk near the centre
+_DIRECT_PIVOTS = 32  # pivots of the few-token route from the centre's basis (CentreRoutes.direct)
 
 
 class CentreRoutes:
@@ -158,13 +159,19 @@ class CentreRoutes:
         return self.bases[name]
 
     def direct(self, k: int) -> tuple[np.ndarray, np.ndarray, float, float] | None:
-        """A certificate for token k on at most D rows straight from the bases (routes 1 and 2), with no
+        """A certificate for token k on at most D rows straight from the centre's basis (route 1), with no
         dense certificate to start from: the point reproduced is (w_k, b_k, 1), a bias gap of 0 up to
-        rounding, which the check settles. None when neither basis reaches the point."""
-        return self._from_bases(k, lifted_points(self.head, np.array([k]))[0])
+        rounding, which the check settles. None when the basis does not reach the point."""
+        return self._from_bases(k, lifted_points(self.head, np.array([k]))[0], direct=True)
 
-    def _from_bases(self, k: int, target: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, float] | None:
-        for name, pivots in (("centre", self.dim), ("spread", 3 * self.dim)) if self.centre is not None else ():
+    def _from_bases(self, k: int, target: np.ndarray, direct: bool = False
+                    ) -> tuple[np.ndarray, np.ndarray, float, float] | None:
+        """The centre's basis (up to D pivots), then the spread pool's (up to 3D); ``direct``: the centre's
+        alone, up to _DIRECT_PIVOTS (mean-initialised rows take 1-9), so a token further out costs little
+        before it goes the whole way."""
+        routes = ((("centre", min(self.dim, _DIRECT_PIVOTS)),) if direct
+                  else (("centre", self.dim), ("spread", 3 * self.dim)))
+        for name, pivots in routes if self.centre is not None else ():
             found = self._basis(name).certificate(k, target, max_pivots=pivots)
             check = check_convex(self.head, k, *found) if found is not None else None
             if check is not None and check.accepted:
