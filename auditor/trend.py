@@ -27,7 +27,7 @@ class CheckpointSummary:
     """One row of the trend: what the gate found at one checkpoint."""
 
     name: str  # the folder's name, checkpoint-N
-    step: int
+    step: int | None  # None: the output folder's own checkpoint, saved after the last step ("final")
     path: str
     n_tokens: int
     counts: dict[str, int]  # tokens per verdict (report.counts)
@@ -57,7 +57,7 @@ class VerdictChange:
         return f"{name} {self.after} from {self.checkpoint} ({self.before} before)"
 
 
-def summarise(name: str, step: int, result: GateResult, watched: list[int] | None) -> CheckpointSummary:
+def summarise(name: str, step: int | None, result: GateResult, watched: list[int] | None) -> CheckpointSummary:
     """The trend's row for one checkpoint's gate result; ``watched`` the ids --tokens named (None: every token,
     whose verdicts are then not kept)."""
     report = result.report
@@ -108,8 +108,8 @@ _COLUMNS = ("checkpoint", "step", "unargmaxable", "never-emitted", "tied", "inco
 
 def render_text(folder: str, summaries: list[CheckpointSummary]) -> str:
     """The trend as a table, one row per checkpoint, then the watched tokens' changes of verdict."""
-    rows = [(s.name, str(s.step), str(s.counts["unargmaxable"]), str(s.never_emitted), str(s.counts["tied"]),
-             str(s.counts["inconclusive"]), f"{s.min_margin:.3g}",
+    rows = [(s.name, str(s.step) if s.step is not None else "final", str(s.counts["unargmaxable"]),
+             str(s.never_emitted), str(s.counts["tied"]), str(s.counts["inconclusive"]), f"{s.min_margin:.3g}",
              f"fail ({s.failing} failing)" if s.failing else "pass") for s in summaries]
     widths = [max(len(cell) for cell in column) for column in zip(_COLUMNS, *rows)]
     lines = [f"trend    {folder}: {len(summaries)} checkpoint{'s' if len(summaries) != 1 else ''} in step order; "

@@ -124,8 +124,7 @@ def test_progress_is_one_line_per_checkpoint_on_stderr_and_the_trend_can_go_to_a
 
 
 @pytest.mark.parametrize("where,message", [
-    ("checkpoint-10", "not a Trainer output folder (checkpoint-N/ folders and no checkpoint of its own), which "
-                      "--all-checkpoints needs"),
+    ("checkpoint-10", "not a Trainer output folder (checkpoint-N/ folders), which --all-checkpoints needs"),
     ("checkpoint-10/model.safetensors", "not a Trainer output folder"),
     ("absent", "no such file or folder"),
 ])
@@ -133,6 +132,21 @@ def test_a_path_that_is_not_a_trainer_output_folder_is_one_error_line(capsys, tr
     code, out, err = _audit(capsys, training_run / where, "--all-checkpoints", "--quiet")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith(f"audit: error: {training_run / where}: ") and message in err
+
+
+def test_the_final_model_saved_beside_the_checkpoints_is_the_last_row(capsys, training_run):
+    """trainer.save_model(output_dir) writes the final model beside the checkpoint-N/ folders: it is the row
+    "final", after them, and its gate is the exit code (here it regressed: <tool> back at the mean)."""
+    save_file({"lm_head.weight": _head(0.0, False)}, str(training_run / "model.safetensors"))
+    (training_run / "vocab.txt").write_text("\n".join(TOKENS) + "\n", encoding="utf-8")
+    code, out, err = _audit(capsys, training_run, "--all-checkpoints", "--tokens", "<tool>", "--quiet")
+    assert code == 1, err
+    assert out.splitlines()[0].endswith("4 checkpoints in step order; the exit code is final's gate")
+    assert [row[:3] for row in _rows(out)[1:]] == [["checkpoint-10", "10", "1"], ["checkpoint-20", "20", "0"],
+                                                   ["checkpoint-100", "100", "0"], ["final", "final", "1"]]
+    assert "changed  '<tool>' (id 6) unargmaxable from final (argmaxable before)" in out
+    code, out, _ = _audit(capsys, training_run, "--quiet", "--format", "json")  # a plain audit reads its own model
+    assert code == 1 and json.loads(out)["summary"]["unargmaxable"] == 1
 
 
 def test_options_that_need_a_single_checkpoint_are_refused(capsys, training_run):

@@ -31,7 +31,7 @@ from auditor.formats import DOCUMENT_FORMATS, FORMATS
 from auditor.formats.html import render as render_html, require_matplotlib
 from auditor.gate import DEFAULT_FAIL_ON, GATE_CLASSES, AllowList, GateResult, parse_fail_on, run_gate
 from auditor.head import Head
-from auditor.loader import list_tensors, load_head, trainer_checkpoints
+from auditor.loader import has_own_checkpoint, list_tensors, load_head, trainer_checkpoints
 from auditor.norm import FinalNorm
 
 
@@ -379,24 +379,27 @@ def _run_all_checkpoints(args: argparse.Namespace) -> int:
                          "--work-dir, --certificates or torchrun (audit one checkpoint-N/ folder for those)")
     if args.format not in ("text", "json"):
         raise InputError(f"--all-checkpoints writes --format text or json, not {args.format}")
-    checkpoints = trainer_checkpoints(args.path)
+    checkpoints: list[tuple[int | None, Path]] = list(trainer_checkpoints(args.path, with_own=True))
     if not checkpoints:
         if not Path(args.path).exists():
             raise InputError(f"{args.path}: no such file or folder")
-        raise InputError(f"{args.path}: not a Trainer output folder (checkpoint-N/ folders and no checkpoint of its "
-                         f"own), which --all-checkpoints needs; leave the option out to audit it alone")
+        raise InputError(f"{args.path}: not a Trainer output folder (checkpoint-N/ folders), which "
+                         f"--all-checkpoints needs; leave the option out to audit it alone")
+    if has_own_checkpoint(args.path):  # the final model (or adapter) saved beside them: the last row, "final"
+        checkpoints.append((None, Path(args.path)))
     if args.output is not None:
         check_writable(args.output)
     options = _checked_options(args)
     summaries, warnings = [], []
     for number, (step, folder) in enumerate(checkpoints, start=1):
+        name = folder.name if step is not None else "final"
         checkpoint = _load_checkpoint(args, folder, options)
         result = _audit_and_gate(args, checkpoint, options)
-        summary = trend.summarise(folder.name, step, result, checkpoint.tokens)  # --tokens' ids are the watched ones
+        summary = trend.summarise(name, step, result, checkpoint.tokens)  # --tokens' ids are the watched ones
         summaries.append(summary)
-        warnings += [f"{folder.name}: {warning}" for warning in result.warnings]
+        warnings += [f"{name}: {warning}" for warning in result.warnings]
         if not args.quiet:
-            print(f"audit: {folder.name} ({number}/{len(checkpoints)}): {summary.counts['unargmaxable']} "
+            print(f"audit: {name} ({number}/{len(checkpoints)}): {summary.counts['unargmaxable']} "
                   f"unargmaxable, {summary.never_emitted} never emitted, gate {summary.gate}", file=sys.stderr)
     rendered = (trend.render_json(summaries) if args.format == "json"
                 else trend.render_text(str(args.path), summaries))

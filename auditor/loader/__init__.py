@@ -176,13 +176,20 @@ def load_head(path, weight: str | None = None, bias: str | None = None, progress
 _TRAINER_CHECKPOINT = re.compile(r"checkpoint-([0-9]+)")
 
 
-def trainer_checkpoints(path) -> list[tuple[int, Path]]:
-    """The (step, folder) of each checkpoint-N/ folder of a Trainer's output folder (checkpoint-N/ folders and
-    no checkpoint of its own), in step order; [] for any other path."""
+def has_own_checkpoint(path) -> bool:
+    """Whether a folder holds a checkpoint of its own (a weights file, or a single .safetensors, .gguf or .onnx
+    file, or a PEFT adapter's weights): a Trainer's output folder after ``save_model``, for one."""
     path = Path(path)
-    if not path.is_dir() or any((path / name).is_file() for name in WEIGHT_FILES):
-        return []
-    if any(p.suffix.lower() in (".safetensors", ".gguf", ".onnx") for p in path.iterdir() if p.is_file()):
+    return path.is_dir() and (any((path / name).is_file() for name in WEIGHT_FILES) or any(
+        p.suffix.lower() in (".safetensors", ".gguf", ".onnx") for p in path.iterdir() if p.is_file()))
+
+
+def trainer_checkpoints(path, with_own: bool = False) -> list[tuple[int, Path]]:
+    """The (step, folder) of each checkpoint-N/ folder of a Trainer's output folder, in step order; [] for any
+    other path. A folder with a checkpoint of its own (the final model or adapter saved beside the checkpoint
+    folders) counts only ``with_own``: a plain audit of it reads its own checkpoint."""
+    path = Path(path)
+    if not path.is_dir() or (not with_own and has_own_checkpoint(path)):
         return []
     return sorted((int(match[1]), child) for child in path.iterdir()
                   if child.is_dir() and (match := _TRAINER_CHECKPOINT.fullmatch(child.name)))
