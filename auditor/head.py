@@ -34,6 +34,7 @@ class Head:
     vocab_file: Path | None = None  # the --vocab file the token strings came from, and its offset
     vocab_offset: int = 0
     base_vocab: int | None = None  # the tokenizer model's own vocabulary size (tokenizer.json): later ids were added
+    adapter_base: str | None = None  # the --base a PEFT adapter was applied over (None: its own base_model_name_or_path)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -424,3 +424,26 @@ def test_the_vocab_file_names_the_adapter_s_rows(tmp_path):
     head = load_head(adapter, vocab=vocab)
     assert head.shape == (42, 6) and head.tokens[40] == "t40"
     assert any("ids 41 have no string" in note for note in head.notes), head.notes
+
+
+def test_the_html_page_reproduces_with_base_and_audit_verify_takes_it(tmp_path, capsys):
+    """An adapter audited over --base: the page's commands carry --base, and audit-verify re-checks the
+    certificates over the same base (without it, the adapter's own base cannot be found)."""
+    from auditor.cli.verify import main as verify
+
+    base, head = _plain_base(tmp_path / "base", rows=40, width=4)
+    rows = np.vstack([head[:3].mean(axis=0), head[5]]).astype(np.float32)  # a mean row and a copy of row 5
+    delta = {"lm_head.trainable_tokens_delta": rows}
+    adapter = _hand_adapter(tmp_path / "adapter", delta, "/nowhere/base", peft_type="TRAINABLE_TOKENS",
+                            token_indices=[38, 39])
+    page, certificates = tmp_path / "page.html", tmp_path / "certificates.json"
+    code = audit([str(adapter), "--base", str(base), "--format", "html", "--output", str(page),
+                  "--certificates", str(certificates), "--quiet"])
+    assert code == 1, capsys.readouterr().err  # row 39 ties row 5
+    text = page.read_text(encoding="utf-8")
+    assert f"audit {adapter} --weight lm_head.weight --bias none --base {base}" in text
+    assert f"audit-verify {certificates} {adapter} --weight lm_head.weight --bias none --base {base}" in text
+    assert verify([str(certificates), str(adapter), "--base", str(base), "--quiet"]) == 0
+    capsys.readouterr()
+    assert verify([str(certificates), str(adapter), "--quiet"]) == 2
+    assert "pass --base PATH" in capsys.readouterr().err

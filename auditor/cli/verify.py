@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the domain the certificates are for (default: the file's); another one is an error")
     add_norm_unit_offset_option(parser, "the final norm multiplies by 1 + weight (as for audit; detected from "
                                         "config.json)")
+    parser.add_argument("--base", metavar="PATH", help="for a PEFT adapter folder: the model it was trained on, as "
+                                                       "audit took it (default: the adapter's base_model_name_or_path)")
     add_run_options(parser)
     return parser
 
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--domain {args.domain}: {certs.source} holds certificates for the {certs.domain} domain")
     progress = shows_progress(args)
     head = load_head(args.path, weight=args.weight, bias=args.bias, progress=progress,
-                     need_norm=certs.domain == Norm())
+                     need_norm=certs.domain == Norm(), base=args.base)
     _check_factors(certs, head, args.path)
     _check_fits(certs, head, args.path)
     result = verify(certs, head.weight, head.bias, final_norm=_final_norm(certs, head, args))

@@ -222,7 +222,8 @@ def reproduce_command(result: GateResult, output: Path | None = None, certificat
     tensors = ["--weight", head.weight_name, "--bias", head.bias_name or "none"]
     domain = str(report.domain)
     unit_offset = domain == "norm" and head.final_norm is not None and head.final_norm.unit_offset
-    words = ["audit", path, *tensors]
+    base = ["--base", head.adapter_base] if head.adapter_base is not None else []
+    words = ["audit", path, *tensors, *base]
     if head.vocab_file is not None:
         words += ["--vocab", str(head.vocab_file)] + (["--vocab-offset", str(head.vocab_offset)]
                                                       if head.vocab_offset else [])
@@ -248,7 +249,7 @@ def reproduce_command(result: GateResult, output: Path | None = None, certificat
     words += ["--certificates", kept, "--format", "html"]
     if output is not None:
         words += ["--output", str(output)]
-    check = ["audit-verify", kept, path, *tensors] + (["--norm-unit-offset"] if unit_offset else [])
+    check = ["audit-verify", kept, path, *tensors, *base] + (["--norm-unit-offset"] if unit_offset else [])
     return shlex.join(words) + "\n" + shlex.join(check)
 
 

@@ -81,6 +81,7 @@ def load_adapter_head(folder: Path, base: str | Path | None, load_head: ReadHead
     adapter = _Adapter.read(folder)
     head = adapter.apply(_base_head(adapter, base, load_head, settings))
     adapter.name_tokens(head, vocabulary)
+    head.adapter_base = str(base) if base is not None else None
     return head
 
 
