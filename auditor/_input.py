@@ -68,6 +68,17 @@ def first_bad_rows(finite_rows: torch.Tensor, limit: int = 5) -> str:
     return listed + (f" and {more} more" if more > 0 else "")
 
 
+def _finite_rows(block: torch.Tensor) -> torch.Tensor:
+    """Whether each row is free of NaN and Inf. A NaN or an infinity makes its row's sum NaN or infinite, so
+    finite sums clear their rows in one reduction; only rows whose sum is not finite (a NaN, an Inf, or
+    large finite entries whose sum overflowed) are looked at entry by entry."""
+    finite = torch.isfinite(block.sum(dim=1))
+    if not bool(finite.all()):
+        doubtful = torch.nonzero(~finite).flatten()
+        finite[doubtful] = torch.isfinite(block[doubtful]).all(dim=1)
+    return finite
+
+
 def prepare_inputs(weight, bias, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """Validate the head and return (weight in its own dtype, bias as float64) on ``device``.
 
@@ -82,7 +93,7 @@ def prepare_inputs(weight, bias, device: torch.device) -> tuple[torch.Tensor, to
         raise InputError(f"the weight is empty (shape {n} x {d}); there is nothing to audit")
     source_dtype = str(w.dtype).replace("torch.", "")
     w = w.to(device=device)  # no copy when it is already there; the engine picks its own precision
-    finite = torch.cat([torch.isfinite(w[s:s + 8192]).all(dim=1) for s in range(0, n, 8192)])
+    finite = torch.cat([_finite_rows(w[s:s + 8192]) for s in range(0, n, 8192)])
     if not bool(finite.all()):
         raise InputError(f"the weight has NaN or Inf entries in rows {first_bad_rows(finite)}")
 

@@ -19,6 +19,21 @@ def test_nan_rows_are_named():
         auditor.audit(W, progress=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rows_whose_sum_overflows_are_finite_and_opposite_infinities_are_not(dtype):
+    """The check sums each row first: a finite row whose sum overflows is looked at entry by entry and
+    passes; a row holding +Inf and -Inf (whose sum is NaN) and one NaN among large entries are named."""
+    big = float(torch.finfo(dtype).max)
+    W = torch.ones(12, 4, dtype=dtype)
+    W[3] = big  # finite, but its sum overflows
+    W[5, 0], W[5, 1] = float("inf"), float("-inf")
+    W[8, :3], W[8, 3] = big, float("nan")
+    with pytest.raises(auditor.InputError, match=r"rows 5, 8$"):
+        auditor.audit(W, progress=False)
+    W[5], W[8] = 1.0, 2.0
+    assert auditor.audit(W, progress=False).n_tokens == 12
+
+
 def test_nan_in_bias_is_named():
     b = np.zeros(10)
     b[2] = -np.inf
