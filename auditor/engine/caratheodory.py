@@ -283,39 +283,45 @@ def eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     null = _null_vectors(points)
     used = np.zeros((null.shape[0], m))
     triangle = np.zeros((null.shape[0], null.shape[0]))
-    dropped: list[int] = []
+    dropped = np.zeros(null.shape[0], dtype=np.int64)  # the first j entries: the coordinates dropped so far
+    j = 0
     alive = np.ones(m, dtype=bool)
+    ratios = np.empty(m)
     for start in range(0, null.shape[0], _PANEL):
         # The corrections by every vector used before this panel, for the whole panel at once (BLAS-3).
         panel = null[start:start + _PANEL].copy()
-        first = len(dropped)
+        first = j
         if first:
-            x = scipy.linalg.solve_triangular(triangle[:first, :first], panel[:, dropped].T, lower=True,
+            x = scipy.linalg.solve_triangular(triangle[:first, :first], panel[:, dropped[:first]].T, lower=True,
                                               check_finite=False)
             panel -= x.T @ used[:first]
         for u in panel:
-            j = len(dropped)
-            if j > first:  # and by those used within this panel
-                x = scipy.linalg.solve_triangular(triangle[first:j, first:j], u[dropped[first:]], lower=True,
-                                                  check_finite=False)
+            if j > first:  # and by those used within this panel (LAPACK's solver called directly: a step is small)
+                # as solve_triangular passes a C-ordered matrix: its transpose, transposed solve, same rounding
+                x, _ = _triangular_solve(triangle[first:j, first:j].T, u[dropped[first:j]], trans=1, lower=0)
                 u -= x @ used[first:j]
-            u[dropped] = 0.0
-            if not np.any(u[alive]):
+            u[dropped[:j]] = 0.0
+            live = u[alive]
+            if not live.any():
                 continue
-            if u[alive].max() <= 0:
+            if live.max() <= 0:
                 u = -u
             positive = alive & (u > 0)
-            ratios = np.full(m, np.inf)
-            ratios[positive] = alpha[positive] / u[positive]
+            ratios.fill(np.inf)
+            np.divide(alpha, u, out=ratios, where=positive)
             out = int(np.argmin(ratios))
             alpha -= ratios[out] * u  # one weight reaches zero; the combination does not move
             alpha[out] = 0.0
             np.maximum(alpha, 0.0, out=alpha)  # rounding may leave -1e-17 where the ratios tied
             alive[out] = False
             used[j] = u
-            dropped.append(out)
+            dropped[j] = out
             triangle[j, :j + 1] = used[:j + 1, out]
+            j += 1
     return alpha
+
+
+_triangular_solve = scipy.linalg.lapack.dtrtrs  # what solve_triangular calls, without its checks' overhead
 
 
 _BATCH = 8  # certificates whose elimination steps run as one batch of tensor operations, at most
