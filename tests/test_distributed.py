@@ -15,6 +15,7 @@ support, copies, explanation and marks, the counts, the summaries and the warnin
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -375,20 +376,21 @@ def test_a_work_dir_is_refused_when_the_head_was_read_otherwise(tmp_path, capsys
 @pytest.mark.distributed
 def test_the_readmes_torchrun_example_works_as_printed_on_a_head_with_findings(tmp_path):
     """docs/cli.md's one-machine torchrun line and its gate one-liner, run as printed on the demo head (which has
-    findings) with 2 processes for 8 and a local port: torchrun exits 0 with no traceback, the gate exits 1."""
+    findings) with 2 processes for 8: torchrun exits 0 with no traceback, the gate exits 1."""
     cli_doc = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text(encoding="utf-8")
     block = cli_doc.split("### torchrun", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
     lines = [line for line in block.splitlines() if line and not line.startswith("#")]
-    launch, gate = lines[0].split(), lines[1]
-    assert launch[:3] == ["torchrun", "--nproc-per-node", "8"] and "model/" in launch
-    demo = Path(__file__).resolve().parent.parent / "fixtures" / "resized_demo.safetensors"
-    args = ["--nproc-per-node", "2", *[str(demo) if a == "model/" else a for a in launch[3:]]]
-    done = torchrun(*args, port=free_port(), cwd=tmp_path)
+    launch, gate = shlex.split(lines[0], comments=True), shlex.split(lines[1], comments=True)
+    demo = "fixtures/resized_demo.safetensors"
+    assert launch[:4] == ["torchrun", "--standalone", "--nproc-per-node", "8"] and demo in launch
+    fixture = Path(__file__).resolve().parent.parent / demo
+    args = ["--standalone", "--nproc-per-node", "2", *[str(fixture) if a == demo else a for a in launch[4:]]]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], capture_output=True, text=True,
+                          env=ENV, cwd=tmp_path, timeout=LIMIT_S)  # --standalone: torchrun picks a free port
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["summary"]["unargmaxable"] == 6 and (tmp_path / "certs.json").exists()
-    assert gate.startswith("python -c ")
-    code = gate[len("python -c "):].strip().strip('"')
-    gated = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert gate[:2] == ["python", "-c"] and len(gate) == 3
+    gated = subprocess.run([sys.executable, "-c", gate[2]], cwd=tmp_path, capture_output=True, text=True)
     assert gated.returncode == 1, gated.stderr  # the demo's findings fail the default gate
