@@ -235,6 +235,11 @@ def robust_row_norms(weight: torch.Tensor, centre: torch.Tensor | None = None) -
     norms = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
     for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
         norms[s:e] = torch.linalg.vector_norm(_offsets(rows, centre), dim=1)
+    return _without_underflow(norms, weight, centre)
+
+
+def _without_underflow(norms: torch.Tensor, weight: torch.Tensor, centre: torch.Tensor | None) -> torch.Tensor:
+    """``norms`` with those that may have underflowed (below 1e-150) found again by safe_norm."""
     tiny = torch.nonzero(norms < 1e-150).flatten()  # only these can have underflowed
     for i in tiny.tolist():
         norms[i] = safe_norm(_offsets(weight[i:i + 1].to(torch.float64), centre), dim=1)[0]
@@ -302,14 +307,19 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
     if not competitor_np.all():
         row_mask = torch.zeros(weight.shape[0], dtype=torch.float64, device=device)
         row_mask[~competitor] = -torch.inf
-    row_norm = robust_row_norms(weight)
-    centre = torch.zeros(weight.shape[1], dtype=torch.float64, device=device)
-    for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
-        centre += rows[competitor[s:e]].sum(dim=0)
-    centre /= int(competitor.sum())
     if median is None:
         median = median_row(weight, competitor)
-    distance = robust_row_norms(weight, median)
+    # one float64 pass for the rows' norms, their distances from the median and their sum
+    row_norm = torch.empty(weight.shape[0], dtype=torch.float64, device=device)
+    distance = torch.empty(weight.shape[0], dtype=torch.float64, device=device)
+    centre = torch.zeros(weight.shape[1], dtype=torch.float64, device=device)
+    for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
+        row_norm[s:e] = torch.linalg.vector_norm(rows, dim=1)
+        distance[s:e] = torch.linalg.vector_norm(rows - median, dim=1)
+        centre += rows[competitor[s:e]].sum(dim=0)
+    row_norm = _without_underflow(row_norm, weight, None)
+    distance = _without_underflow(distance, weight, median)
+    centre /= int(competitor.sum())
     # rows exactly at the median keep 0: their differences with each other are exact zeros
     spread_norm = torch.where(distance > 0, distance * (1 + gamma(weight.shape[1] + 2)) + underflow_floor(weight.shape[1]),
                               distance)

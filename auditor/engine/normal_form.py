@@ -175,11 +175,15 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
 
 
 def _peak_offset(weight: torch.Tensor, centre: torch.Tensor) -> float:
-    """max_ij |w_ij - m_j| (each difference rounded to float64), by blocks of rows."""
-    peak = 0.0
-    for _, _, rows in row_blocks(weight, _BLOCK_ROWS):
-        peak = max(peak, float((rows - centre).abs().max()) if rows.numel() else 0.0)
-    return peak
+    """max_ij |w_ij - m_j| (each difference rounded to float64), from each column's largest and smallest
+    entry in the head's own dtype: rounding is non-decreasing, so max_i fl(w_ij - m_j) = fl(max_i w_ij - m_j)
+    and max_i fl(m_j - w_ij) = fl(m_j - min_i w_ij); no float64 copy of the rows is formed."""
+    if weight.numel() == 0:
+        return 0.0
+    smallest, largest = torch.aminmax(weight, dim=0)
+    above = largest.to(torch.float64) - centre
+    below = centre - smallest.to(torch.float64)
+    return float(torch.maximum(above, below).max())
 
 
 def _two_difference(rows: torch.Tensor, centre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
