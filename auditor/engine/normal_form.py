@@ -180,7 +180,10 @@ def _peak_offset(weight: torch.Tensor, centre: torch.Tensor) -> float:
     and max_i fl(m_j - w_ij) = fl(m_j - min_i w_ij); no float64 copy of the rows is formed."""
     if weight.numel() == 0:
         return 0.0
-    smallest, largest = torch.aminmax(weight, dim=0)
+    largest, smallest = weight[:_BLOCK_ROWS].amax(dim=0), weight[:_BLOCK_ROWS].amin(dim=0)
+    for s in range(_BLOCK_ROWS, weight.shape[0], _BLOCK_ROWS):  # by blocks: a column reduction is slow at once
+        torch.maximum(largest, weight[s:s + _BLOCK_ROWS].amax(dim=0), out=largest)
+        torch.minimum(smallest, weight[s:s + _BLOCK_ROWS].amin(dim=0), out=smallest)
     above = largest.to(torch.float64) - centre
     below = centre - smallest.to(torch.float64)
     return float(torch.maximum(above, below).max())
