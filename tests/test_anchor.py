@@ -60,7 +60,7 @@ def test_swallowed_rows_take_the_certificate_of_the_origin(rng):
 
 
 def test_the_route_leaves_rows_whose_ray_misses_the_origin(rng):
-    n, d = 2000, 8
+    n, d = 500, 8  # the row inside goes on to Frank-Wolfe at any size
     W = trained_like(rng, n, d, offset=1.0)
     inside = np.array([n - 1])
     W[-1] = 0.5 * W[3] + 0.5 * W[7]  # inside the hull, but its rays from rivals miss the origin
@@ -71,14 +71,18 @@ def test_the_route_leaves_rows_whose_ray_misses_the_origin(rng):
 
 
 def test_an_origin_outside_the_hull_leaves_the_tokens_to_the_newton_stage(rng):
-    n, d = 2000, 8
+    # 600 rows: the planted rows are of both kinds (the oracle's margins 0, > 0.008, > 0.067), and the
+    # Newton stage decides some of them
+    n, d = 600, 8
     W = trained_like(rng, n, d, offset=12.0)  # every row far on one side of the origin
     planted = swallowed(W, rng, 3)
     head = engine_head(W)
     assert anchored_certificates(head, planted) == {}  # the origin has no certificate: nothing guessed
     report = auditor.audit(W, progress=False)
+    expected = {k: lp_margin(W, None, k)[0] <= 1e-9 for k in planted.tolist()}
+    assert set(expected.values()) == {True, False}  # a shorter copy may still win when the origin is outside
     for k in planted.tolist():  # the oracle decides; the audit agrees
-        assert (report.tokens[k].verdict == "unargmaxable") == (lp_margin(W, None, k)[0] <= 1e-9)
+        assert (report.tokens[k].verdict == "unargmaxable") == expected[k]
 
 
 def test_the_origin_is_the_one_the_rows_were_given_in(rng):
@@ -98,7 +102,7 @@ def test_the_origin_is_the_one_the_rows_were_given_in(rng):
 
 @pytest.mark.parametrize("offset", [0.0, 2.0])
 def test_audits_of_swallowed_rows_match_the_lp(rng, offset):
-    n, d = 2500, 10
+    n, d = 600, 10  # the planted rows take the route at any size
     W = trained_like(rng, n, d, offset)
     planted = swallowed(W, rng, 4)
     report = auditor.audit(W.astype(np.float32), progress=False)
@@ -117,11 +121,12 @@ def test_swallowed_rows_are_settled_before_frank_wolfe_and_the_rest_still_reach_
     original = pipeline.frank_wolfe
     monkeypatch.setattr(pipeline, "frank_wolfe", lambda head, ids, *rest: seen.extend(ids.tolist())
                         or original(head, ids, *rest))
-    W = trained_like(rng, 2500, 10, 0.0)
+    W = trained_like(rng, 600, 10, 0.0)
     planted = swallowed(W, rng, 4)
     W[7] = 0.98 * W[8] + 0.02 * W[9]  # inside the hull near its boundary, on no ray through the origin
-    # With this row the origin's Newton solve reaches a point where F is flat to float64 three times short
-    # of its goal: steps are then judged by the residual they leave.
+    # With this row (at 2500 rows, when the origin's route was added) the origin's Newton solve reached a
+    # point where F is flat to float64 three times short of its goal: steps are then judged by the residual
+    # they leave. 600 rows keep every assertion below (the 2500 rows no longer reach that flat point either).
     from auditor.engine.anchor import _Origin
     assert _Origin(engine_head(W.astype(np.float32)), 40).basis is not None
     report = auditor.audit(W.astype(np.float32), progress=False)
@@ -138,7 +143,7 @@ def test_a_translated_head_takes_the_route_through_the_origin_it_was_given_in(rn
     # alone: Frank-Wolfe and the per-token Newton solves are switched off.
     import auditor.engine.pipeline as pipeline
 
-    n, d = 2000, 6
+    n, d = 250, 6  # the cloud's rows all go to the exact LP: its cost grows with n
     far = 1000.0 * np.eye(d)[0] + trained_like(rng, n, d, offset=0.0)
     around = 3000.0 * np.vstack([np.eye(d), -np.eye(d)])
     W = np.vstack([far, around])

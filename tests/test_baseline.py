@@ -2,19 +2,19 @@
 only new ones fail, fixed ones are listed, and a baseline of another vocabulary or domain is an error."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from auditor.cli.audit import main
+from conftest import run_command
+
 N, D = 300, 4
 
 
 def audit(*args):
-    return subprocess.run([sys.executable, "-m", "auditor", *map(str, args), "--quiet"], capture_output=True,
-                          text=True)
+    return run_command(main, *args, "--quiet")  # in this process: the command's output, not its start-up
 
 
 def model_folder(path, W, strings):

@@ -4,9 +4,6 @@ the same as sharded safetensors and as a torch .bin, GGUF, and files that must b
 import json
 import os
 import pickle
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +11,15 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
+from auditor.cli.audit import main
+from conftest import run_command
+
 ADDED = [30522, 30523, 30524, 30525]
 COPY_OF, COPY = 30100, 30526  # a copied row: the pair is tied
 
 
 def audit_cli(*args):
-    done = subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], capture_output=True, text=True)
-    return done
+    return run_command(main, *args)  # in this process: the command's output, not an interpreter's start-up
 
 
 def findings(done) -> dict[int, str]:
@@ -34,21 +33,11 @@ def real_folder():
 
 
 @pytest.fixture(scope="module")
-def resized(real_folder, tmp_path_factory):
-    """A copy of the model folder whose embedding gained four mean-initialised rows and a copied row."""
-    from safetensors import safe_open
-
-    with safe_open(str(real_folder / "model.safetensors"), framework="numpy") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys() if name.startswith("embeddings.")}
-    embedding = tensors["embeddings.word_embeddings.weight"]
-    old = embedding.astype(np.float64)
-    rng = np.random.default_rng(11)
-    added = rng.multivariate_normal(old.mean(axis=0), 1e-9 * np.cov(old.T), size=len(ADDED)).astype(np.float32)
-    tensors["embeddings.word_embeddings.weight"] = np.vstack([embedding, added, embedding[[COPY_OF]]])
-    folder = tmp_path_factory.mktemp("resized")
-    for name in ("config.json", "tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(real_folder / name, folder / name)
-    save_file(tensors, str(folder / "model.safetensors"))
+def resized(resized_minilm):
+    """A copy of the model folder whose embedding gained four mean-initialised rows (ADDED) and a copied row
+    (COPY of COPY_OF): conftest.resized_minilm, shared with test_audit_verify.py."""
+    folder, tensors = resized_minilm
+    assert tensors["embeddings.word_embeddings.weight"].shape[0] == COPY + 1
     return folder, tensors
 
 
@@ -62,15 +51,10 @@ def base_report(real_folder, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def resized_report(resized, tmp_path_factory):
-    """(JSON report, certificates) of the resized folder."""
-    folder, _ = resized
-    out = tmp_path_factory.mktemp("resized-report")
-    done = audit_cli(folder, "--format", "json", "--quiet", "--output", out / "report.json",
-                     "--certificates", out / "certificates.json")
-    assert done.returncode == 1, done.stderr
-    return (json.loads((out / "report.json").read_text()), json.loads((out / "certificates.json").read_text()),
-            out / "report.json")
+def resized_report(resized_minilm_audit):
+    """(JSON report, certificates, the report's path) of the resized folder: the audit command's, made once for
+    this module and test_audit_verify.py (conftest.resized_minilm_audit)."""
+    return resized_minilm_audit[:3]
 
 
 @pytest.mark.slow

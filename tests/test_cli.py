@@ -3,8 +3,6 @@
 import errno
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,13 +10,15 @@ import pytest
 from safetensors.numpy import save_file
 
 from auditor._io import write_atomically
+from auditor.cli.audit import main
 from auditor.errors import InputError
+from conftest import run_command
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], capture_output=True, text=True)
+    return run_command(main, *args)  # in this process; test_stdout.py runs `python -m auditor` itself
 
 
 @pytest.mark.slow

@@ -3,8 +3,6 @@ returns the first maximal index), and only when the group can win. Small heads c
 a plain numpy argmax; the real MiniLM head, resized as people resize it, checks the trap a user walked into."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ from auditor.errors import InputError
 from auditor.findings import gate_classes, greedy_decoding
 from auditor.gate import DEFAULT_FAIL_ON, parse_fail_on, run_gate
 from auditor.head import Head
+from conftest import run_command
 
 CIRCLE = 8  # ids 0..7: points on the unit circle, every one a vertex of the hull
 
@@ -129,8 +128,9 @@ def test_the_command_fails_on_exact_mean_rows_with_fail_on_unargmaxable(tmp_path
     W = circle_head()[:12].astype(np.float32)
     path = tmp_path / "head.safetensors"
     save_file({"lm_head.weight": W}, str(path))
-    done = subprocess.run([sys.executable, "-m", "auditor", str(path), "--fail-on", "unargmaxable", "--format",
-                           "json", "--quiet"], capture_output=True, text=True)
+    from auditor.cli.audit import main
+
+    done = run_command(main, path, "--fail-on", "unargmaxable", "--format", "json", "--quiet")  # in this process
     assert done.returncode == 1, done.stderr
     report = json.loads(done.stdout)
     assert {f["id"] for f in report["findings"] if f["failing"]} == {9, 10, 11}

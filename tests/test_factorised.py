@@ -1,8 +1,6 @@
 """Factorised heads W = U V: decided exactly on U in R^r when V has full row rank, with Qhull as the oracle."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -10,6 +8,7 @@ import torch
 from safetensors.numpy import save_file
 
 import auditor
+from conftest import run_module
 from oracles import qhull_argmaxable
 
 
@@ -109,7 +108,7 @@ def test_a_triple_is_refused(rng):
 
 
 def run(*args, module="auditor"):
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
+    return run_module(module, *args)  # in this process: the command's output, not an interpreter's start-up
 
 
 @pytest.fixture

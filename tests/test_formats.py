@@ -2,8 +2,6 @@
 verdict groups, baselines, warnings, and audit-merge printing every format."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ from auditor.formats._common import SHOWN_PER_VERDICT
 from auditor.gate import FINDING_VERDICTS, Finding, GateResult, run_gate
 from auditor.head import Head
 from auditor.merge import merge_reports
+from conftest import run_module
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 SEED = np.array([[1, 2], [2, 1], [1, 0], [0, 1], [1, 1], [1, 0]], dtype=np.float32)  # 4 inside, 2 = 5
@@ -262,7 +261,7 @@ def test_merge_summarises_groups_that_straddle_shards_and_keeps_the_run_s_warnin
 
 
 def _command(module, *args):
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
+    return run_module(module, *args)  # in this process: the command's output, not an interpreter's start-up
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import run_command
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "fixtures" / "resized_demo.safetensors"
 DEMO_FINDINGS = {17, 1900, 2631, 4000, 4001, 4002, 4003, 4004}
@@ -25,8 +27,10 @@ TIED = {17, 4004}
 
 
 def audit_html(output: Path, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "auditor", *map(str, args), "--format", "html",
-                           "--output", str(output), "--quiet"], capture_output=True, text=True, cwd=ROOT)
+    """The command in this process (conftest.run_command; every path here is absolute)."""
+    from auditor.cli.audit import main
+
+    return run_command(main, *args, "--format", "html", "--output", output, "--quiet")
 
 
 @pytest.fixture(scope="module")

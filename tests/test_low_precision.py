@@ -281,7 +281,7 @@ def test_with_the_witnesses_allowance_shrunk_the_product_proves_witnesses_that_l
     assert (won & (exact_witness_leads(W, planted, Z) < 0)).sum() >= 1  # what the allowance prevents
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])  # a second head: the slow tier
 def test_audits_through_the_bfloat16_pass_match_qhull(seed, monkeypatch):
     monkeypatch.setattr(head_module, "BFLOAT16_ENTRIES", 0)  # the pass on a head small enough for Qhull
     rng = np.random.default_rng(seed)

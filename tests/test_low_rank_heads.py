@@ -57,7 +57,9 @@ def compared_with_plain_lp(report, W, b) -> int:
     return compared
 
 
-@pytest.mark.parametrize("d,seed", [(2, 0), (3, 1), (4, 2), (5, 3), (6, 4)])
+# Two to four dimensions in the quick tier; five and six (the same exact-LP route) in the slow one.
+@pytest.mark.parametrize("d,seed", [(2, 0), (3, 1), (4, 2), pytest.param(5, 3, marks=pytest.mark.slow),
+                                    pytest.param(6, 4, marks=pytest.mark.slow)])
 def test_crowded_heads_without_bias_match_qhull_on_every_token(d, seed):
     W, _ = crowded_head(400, d, False, seed)
     report = auditor.audit(W, progress=False)

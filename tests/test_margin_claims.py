@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from fractions import Fraction
 
 import numpy as np
@@ -28,6 +26,7 @@ from safetensors.numpy import save_file
 import auditor
 import auditor.engine.pipeline as pipeline
 from auditor.engine import low_precision
+from conftest import run_command
 import auditor.engine.pipeline as pipeline
 
 
@@ -292,12 +291,17 @@ def test_a_unit_ball_margin_one_step_above_the_exact_one_fails_in_rational_arith
 # -- tie partners ---------------------------------------------------------------------------------------
 
 
+# Both commands run in this process (conftest.run_command): their output, not an interpreter's start-up.
 def verify_cli(*args):
-    return subprocess.run([sys.executable, "-m", "auditor.cli.verify", *map(str, args)], capture_output=True, text=True)
+    from auditor.cli.verify import main
+
+    return run_command(main, *args)
 
 
 def audit_cli(*args):
-    return subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], capture_output=True, text=True)
+    from auditor.cli.audit import main
+
+    return run_command(main, *args)
 
 
 @pytest.fixture

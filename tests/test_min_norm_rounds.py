@@ -47,7 +47,9 @@ def test_the_nearest_point_matches_a_qp(seed, ray):
     assert abs(np.linalg.norm(residual) - _nearest_by_qp(Y, ray)) <= 1e-6
 
 
-@pytest.mark.parametrize("d,bias,seed", [(12, False, 0), (24, False, 1), (12, True, 2), (32, True, 3)])
+# Twelve dimensions, with and without a bias, in the quick tier; 24 and 32 (a few seconds each) in the slow one.
+@pytest.mark.parametrize("d,bias,seed", [(12, False, 0), pytest.param(24, False, 1, marks=pytest.mark.slow),
+                                         (12, True, 2), pytest.param(32, True, 3, marks=pytest.mark.slow)])
 def test_the_rounds_decide_crowded_heads_as_the_plain_lp_does(d, bias, seed):
     W, b = lognormal_head(300, d, bias, seed)
     report = auditor.audit(W, b, progress=False)

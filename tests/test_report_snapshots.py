@@ -2,11 +2,10 @@
 digits masked: report_masks.py): a change in layout must not change a single character a user sees."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_command
 from report_masks import masked
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,11 +15,13 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 
 @pytest.mark.parametrize("form", ["text", "markdown", "json"])
 @pytest.mark.slow
-def test_demo_report_is_unchanged(form, tmp_path):
+def test_demo_report_is_unchanged(form, tmp_path, monkeypatch):
+    from auditor.cli.audit import main
+
     out = tmp_path / f"report.{form}"
-    done = subprocess.run([sys.executable, "-m", "auditor", "fixtures/resized_demo.safetensors", "--format", form,
-                           "--threads", "2", "--quiet", "--output", str(out)],
-                          cwd=ROOT, capture_output=True, text=True)
+    monkeypatch.chdir(ROOT)  # the reports name the fixture by this relative path
+    done = run_command(main, "fixtures/resized_demo.safetensors", "--format", form, "--threads", "2", "--quiet",
+                       "--output", out)  # in this process: test_stdout.py runs `python -m auditor` itself
     assert done.returncode == 1, done.stderr  # the demo has findings
     expected = (GOLDEN / f"resized_demo.{form}").read_text(encoding="utf-8")
     assert masked(out.read_text(encoding="utf-8")) == masked(expected)

@@ -2,8 +2,6 @@
 hashed duplicate detection, and sharded runs merged into one report."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,6 +10,7 @@ from safetensors.numpy import save_file
 
 import auditor
 from auditor.engine.ties import duplicate_groups
+from conftest import run_module
 from oracles import lp_margin
 
 
@@ -147,7 +146,7 @@ def test_hashed_duplicate_groups_match_numpy_unique(rng):
 
 def _run(*args, command="auditor"):
     module = "auditor" if command == "auditor" else "auditor.cli.merge"
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
+    return run_module(module, *args)  # in this process: the command's output, not an interpreter's start-up
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 (past a baseline's), token strings (JSON-quoted where they look like ids); and allow-list ranges."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,12 +9,11 @@ import pytest
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from auditor.cli.audit import parse_token_ids
+from auditor.cli.audit import main, parse_token_ids
 from auditor.errors import InputError
 from auditor.gate import AllowList
 from auditor.head import Head
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import run_command
 
 
 def _head(n=40, tokens=None, base_vocab=None):
@@ -104,8 +101,7 @@ def _resized_folder(tmp_path: Path) -> Path:
 
 
 def _audit(*args):
-    return subprocess.run([sys.executable, "-m", "auditor", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True)
+    return run_command(main, *args)  # in this process (every path here is absolute)
 
 
 def test_the_command_decides_the_added_tokens_by_name_and_by_kind(tmp_path):
