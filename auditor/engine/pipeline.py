@@ -134,9 +134,9 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
 
     # A few tokens of a large head (a vocabulary's added rows): nothing is built for the whole head
     # before it pays for itself. The bfloat16 pass (a copy of the head) and the whitened witnesses (its
-    # covariance) are left out of the screen, and the rows it leaves try the bases around the centre
-    # first (settle.CentreRoutes: a pool of 3D rows, one of 2D, and a basis on each), where a
-    # mean-initialised row takes a few pivots; only the tokens still left go the whole way.
+    # covariance) are left out of the screen, and the rows it leaves first try the centre's basis
+    # (settle.CentreRoutes.direct: a pool of 3D rows narrowed to 2D around the centre, and a basis on
+    # it), where a mean-initialised row takes a few pivots; only the tokens still left go the whole way.
     # (Not where a token may hold a witness and convex weights at once, decide_at_tolerance off: there the
     # whitened witnesses must go before any convex certificate, as in the whole audit.)
     few = len(todo) * _FEW_SHARE <= head.n_competitors and head.decide_at_tolerance
