@@ -4,6 +4,13 @@ Two audits that each take every core of a shared machine slow each other down
 far more than twice (docs/performance.md gives the figures). ``threads=`` /
 ``--threads N`` caps one audit; without it the ``OMP_NUM_THREADS`` convention
 applies, else torch's own default.
+
+numpy's and scipy's own BLAS libraries run on one thread during an audit. The
+heavy passes are torch's; numpy and scipy get the small dense problems (pools,
+bases, eliminations), which gain little from a second thread, and an OpenBLAS
+thread that waits for work spins on a core torch's threads need: with both on
+2 cores, a float64 Hessian in torch takes 6.5 ms instead of 2.9 ms
+(docs/performance.md, "Threads").
 """
 
 from __future__ import annotations
@@ -13,8 +20,11 @@ import functools
 import os
 
 import torch
+from threadpoolctl import ThreadpoolController
 
 from auditor.errors import InputError
+
+_controller: ThreadpoolController | None = None
 
 
 def resolve_threads(threads: int | None) -> int:
@@ -45,9 +55,22 @@ def torch_threads(count: int):
     previous = torch.get_num_threads()
     torch.set_num_threads(count)
     try:
-        yield count
+        with _own_blas().limit(limits=1):
+            yield count
     finally:
         torch.set_num_threads(previous)
+
+
+def _own_blas() -> ThreadpoolController:
+    """The BLAS libraries loaded in this process other than torch's (numpy's and scipy's OpenBLAS), found
+    once: torch's, where it loads one, follows torch.set_num_threads."""
+    global _controller
+    if _controller is None:
+        own = os.path.dirname(torch.__file__)
+        found = ThreadpoolController().select(user_api="blas")
+        _controller = found.select(filepath=[c.filepath for c in found.lib_controllers
+                                             if not os.path.realpath(c.filepath).startswith(os.path.realpath(own))])
+    return _controller
 
 
 def applying_threads(audit):

@@ -14,17 +14,61 @@ def test_the_median_by_blocks_of_columns_is_the_whole_matrix_median(rng, monkeyp
     competitor = torch.from_numpy(rng.random(501) > 0.3)
     whole = torch.kthvalue(W[competitor].T.contiguous(), (int(competitor.sum()) + 1) // 2, dim=1).values.double()
     monkeypatch.setattr(engine_head, "_MEDIAN_ENTRIES", 1000)  # two columns a block
-    assert torch.equal(engine_head.median_row(W, competitor), whole)
+    monkeypatch.setattr(engine_head, "_MEDIAN_COLUMNS", 2)
+    for threads in (1, 3):  # one thread, and columns shared among three
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        extremes = []
+        assert torch.equal(engine_head.median_row(W, competitor, extremes), whole)
+        assert torch.equal(extremes[0], W[competitor].max(dim=0).values.double())
+        assert torch.equal(extremes[1], W[competitor].min(dim=0).values.double())
 
 
 @pytest.mark.parametrize("e", [-3, 5])
 def test_scaling_by_blocks_is_exact_and_falls_back_to_float64_in_a_later_block(rng, monkeypatch, e):
     monkeypatch.setattr(normal_form, "_BLOCK_ROWS", 4)
     W = torch.from_numpy(rng.standard_normal((13, 3)).astype(np.float32))
-    assert torch.equal(normal_form._scaled(W, e, "head"), W * 2.0**e)
+    assert torch.equal(normal_form._scaled(W, e, "head")[0], W * 2.0**e)
+    centre = torch.from_numpy(rng.standard_normal(3))
+    scaled, products = normal_form._scaled(W, e, "head", centre)  # the products with the centre on the way
+    assert torch.equal(products, scaled.double() @ centre.float().double())
     W[9, 1] = 2.0**-148 if e < 0 else 2.0**126  # only float64 holds it scaled: the third block finds out
-    scaled = normal_form._scaled(W, e, "head")
+    scaled, products = normal_form._scaled(W, e, "head", centre)
     assert scaled.dtype == torch.float64
+    assert torch.equal(products, scaled @ centre)  # the float64 rows' centre is the centre itself
     assert torch.equal(scaled, W.double() * 2.0**e)
     bias = torch.from_numpy(rng.standard_normal(13))
-    assert torch.equal(normal_form._scaled(bias, e, "bias"), bias * 2.0**e)  # one dimension
+    assert torch.equal(normal_form._scaled(bias, e, "bias")[0], bias * 2.0**e)  # one dimension
+
+
+def _heads(rng):
+    """float32 heads as given (scaled), translated exactly, translated through float64 (a far offset), with
+    duplicate rows, and a float64 head; small blocks so that every pass takes several."""
+    W = rng.standard_normal((300, 9)).astype(np.float32)
+    yield "float32", torch.from_numpy(W * np.float32(3.0))
+    yield "exact offsets", torch.from_numpy(np.round(W * 64) / 64)
+    yield "far offset", torch.from_numpy(W + np.float32(1e4))
+    copied = W.copy()
+    copied[50:60] = copied[7]
+    yield "duplicates", torch.from_numpy(copied)
+    yield "float64", torch.from_numpy(W.astype(np.float64) * 1e-3 + 0.25)
+
+
+def test_the_facts_the_normal_form_measures_are_those_the_engine_head_finds(rng, monkeypatch):
+    """norms, distances from the median, the centre and the centre's products: the normal form finds them on
+    the head as given and scales them; build_engine_head finds them on the normal form's rows. Bit for bit."""
+    from auditor.domain import Unbounded
+    from auditor.engine.ties import duplicate_groups
+
+    monkeypatch.setattr(normal_form, "_BLOCK_ROWS", 64)
+    monkeypatch.setattr(engine_head, "_BLOCK_ROWS", 64)
+    for name, W in _heads(rng):
+        representative = duplicate_groups(W, None)
+        competitor = torch.as_tensor(representative == np.arange(len(representative)))
+        form = normal_form.normal_form(W, None, Unbounded(), competitor)
+        given = engine_head.build_engine_head(form.weight, None, representative, form.domain, 1e-10,
+                                              form.row_error, None, form.median, form.facts)
+        found = engine_head.build_engine_head(form.weight, None, representative, form.domain, 1e-10,
+                                              form.row_error, None, form.median)
+        for field in ("row_norm", "spread_norm", "centre", "witness_centre", "centre_logits"):
+            assert torch.equal(getattr(given, field), getattr(found, field)), (name, field)
+        assert given.typical_spread == found.typical_spread, name

@@ -27,7 +27,6 @@ like any other certificate; the engine keeps the dense one if it fails.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +35,7 @@ import torch
 
 from auditor.engine.head import EngineHead
 
+_EPS = float(np.finfo(np.float64).eps)
 _GATHER_ROWS = 2048  # rows gathered in float64 at a time when forming group means
 _PANEL = 64  # null vectors corrected together by one triangular solve and one matrix product
 
@@ -177,51 +177,67 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
 def _maximum_entropy(points: np.ndarray, target: np.ndarray, iterations: int = 60) -> np.ndarray | None:
     """Weights pi_i proportional to exp(theta . x_i), all positive, with sum pi_i x_i = target, by Newton's
     method on F(theta) = log sum exp(theta . (x_i - target)) from theta = 0 (see tilt.py, which does the
-    same over a whole head). None when it does not converge: the target is not inside the hull."""
-    scale = float(np.abs(points - target).max()) or 1.0
-    offsets = (points - target) / scale
-    theta = np.zeros(offsets.shape[1])
+    same over a whole head). None when it does not converge: the target is not inside the hull.
 
-    def value(t):
+    The Hessian (m D^2, the cost of a step) is formed again only when the previous step with an older one
+    did not cut the gradient to a quarter (a chord step is O(m D)); ``iterations`` bounds the Hessians, and
+    four times as many steps are taken at most. The Hessian and its factors are torch's (float64, on the
+    CPU's audit threads: numpy's BLAS runs on one during an audit, auditor/_threads.py); the O(m D) steps
+    are numpy's, whose small operations cost less than torch's."""
+    scale = float(np.abs(points - target).max()) or 1.0
+    offsets = np.ascontiguousarray((points - target) / scale)
+    shared = torch.from_numpy(offsets)  # the same numbers, for the Hessian
+    theta = np.zeros(offsets.shape[1])
+    identity = torch.eye(offsets.shape[1], dtype=torch.float64)
+
+    def weights(t):
         logits = offsets @ t
         top = logits.max()
-        return top + np.log(np.exp(logits - top).sum())
+        pi = np.exp(logits - top)
+        total = pi.sum()
+        return pi / total, top + np.log(total)
 
-    current = value(theta)
-    for _ in range(iterations):
-        logits = offsets @ theta
-        pi = np.exp(logits - logits.max())
-        pi /= pi.sum()
+    pi, current = weights(theta)
+    factor, hessians, previous = None, 0, np.inf
+    for _ in range(4 * iterations):
         gradient = pi @ offsets
-        if np.abs(gradient).max() <= 1e-15:
+        size = float(np.abs(gradient).max())
+        if size <= 1e-15:
             return pi
-        centred = offsets - gradient
-        hessian = (centred * pi[:, None]).T @ centred
-        try:  # a tiny ridge: rows of a normalised head span only a subspace
-            with warnings.catch_warnings():  # an ill-conditioned Hessian is handled below, not reported
-                warnings.simplefilter("ignore", scipy.linalg.LinAlgWarning)
-                step = scipy.linalg.solve(hessian + 1e-14 * np.trace(hessian) * np.eye(len(hessian)), gradient,
-                                          assume_a="pos", check_finite=False)
-        except (np.linalg.LinAlgError, scipy.linalg.LinAlgError):
-            step = None
-        if step is None or not np.all(np.isfinite(step)):  # singular: raised, or NaN from the unchecked factorisation
-            step = np.linalg.lstsq(hessian, gradient, rcond=None)[0]
+        if factor is None or size > previous / 4:  # a Newton step: a fresh Hessian
+            if hessians == iterations:
+                break
+            centred = shared - torch.from_numpy(gradient)
+            hessian = (centred * torch.from_numpy(pi)[:, None]).T @ centred
+            # a tiny ridge: rows of a normalised head span only a subspace
+            factor, info = torch.linalg.cholesky_ex(hessian + 1e-14 * float(hessian.trace()) * identity)
+            hessians += 1
+            if int(info) != 0:
+                factor = None
+        previous = size
+        step = (torch.cholesky_solve(torch.from_numpy(gradient)[:, None], factor)[:, 0].numpy()
+                if factor is not None else None)
+        if step is None or not np.all(np.isfinite(step)):  # singular: not positive definite, or NaN
+            step = np.linalg.lstsq(hessian.numpy(), gradient, rcond=None)[0]
+            factor = None
         slope = float(gradient @ step)
         if not slope > 0:
             return None
         eta = 1.0
         while eta > 1e-8:
-            trial = value(theta - eta * step)
+            trial_pi, trial = weights(theta - eta * step)
             if trial <= current - 1e-4 * eta * slope:
+                break
+            # near the solution F's decrease falls below its own rounding: there a full step that shrinks
+            # the gradient is taken (the gradient is what the weights must bring to 0)
+            if (eta == 1.0 and trial <= current + 8 * _EPS * abs(current)
+                    and np.abs(trial_pi @ offsets).max() < size):
                 break
             eta *= 0.5
         else:
             return None
         theta = theta - eta * step
-        current = trial
-    logits = offsets @ theta
-    pi = np.exp(logits - logits.max())
-    pi /= pi.sum()
+        pi, current = trial_pi, trial
     return pi if np.abs(pi @ offsets).max() <= 1e-12 else None
 
 
@@ -250,15 +266,21 @@ def _group_means(head: EngineHead, indices: np.ndarray, alpha: np.ndarray, label
 
 
 def _null_vectors(points: np.ndarray) -> np.ndarray:
-    """(m - D) x m: a basis of the u with u @ points = 0, for m x D points of rank D (see eliminate)."""
+    """(m - D) x m: a basis of the u with u @ points = 0, for m x D points of rank D (see eliminate). The
+    factorisation and the triangular solve run in torch (float64, on the CPU's audit threads)."""
     m, dim = points.shape
-    columns = points / np.maximum(np.abs(points).max(axis=0), np.finfo(np.float64).tiny)
-    order, lower, _ = scipy.linalg.lu(columns, p_indices=True, check_finite=False)  # columns = lower[order] U
-    head_rows, tail_rows = lower[:dim], lower[dim:]
-    top = -scipy.linalg.solve_triangular(head_rows, tail_rows.T, trans="T", lower=True, unit_diagonal=True,
-                                         check_finite=False)  # dim x (m - dim)
-    basis = np.vstack([top, np.eye(m - dim)])  # null vectors of L^T, in pivoted order
-    return np.ascontiguousarray(basis[order].T)  # back in the points' order
+    columns = torch.from_numpy(points / np.maximum(np.abs(points).max(axis=0), np.finfo(np.float64).tiny))
+    factors, pivots, _ = torch.linalg.lu_factor_ex(columns)  # columns[permutation] = L U, L = [L1; L2] unit lower
+    permutation = np.arange(m)
+    for i, p in enumerate(pivots.numpy() - 1):  # LAPACK's row swaps, in order
+        permutation[i], permutation[p] = permutation[p], permutation[i]
+    lower = factors.tril(-1)
+    lower.diagonal().fill_(1.0)
+    top = -torch.linalg.solve_triangular(lower[:dim].T, lower[dim:].T, upper=True, unitriangular=True)
+    basis = torch.cat([top, torch.eye(m - dim, dtype=torch.float64)]).numpy()  # null vectors of L^T
+    null = np.empty((m - dim, m))
+    null[:, permutation] = basis.T  # coordinate j of w is that of the point permutation[j]
+    return null
 
 
 def eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
@@ -285,35 +307,32 @@ def eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     triangle = np.zeros((null.shape[0], null.shape[0]))
     dropped = np.zeros(null.shape[0], dtype=np.int64)  # the first j entries: the coordinates dropped so far
     j = 0
-    alive = np.ones(m, dtype=bool)
     ratios = np.empty(m)
     for start in range(0, null.shape[0], _PANEL):
         # The corrections by every vector used before this panel, for the whole panel at once (BLAS-3).
         panel = null[start:start + _PANEL].copy()
         first = j
-        if first:
-            x = scipy.linalg.solve_triangular(triangle[:first, :first], panel[:, dropped[:first]].T, lower=True,
-                                              check_finite=False)
-            panel -= x.T @ used[:first]
+        if first:  # in torch: the audit's threads (numpy's BLAS has one)
+            x = torch.linalg.solve_triangular(torch.from_numpy(triangle[:first, :first]),
+                                              torch.from_numpy(panel[:, dropped[:first]].T), upper=False)
+            panel -= (x.T @ torch.from_numpy(used[:first])).numpy()
         for u in panel:
             if j > first:  # and by those used within this panel (LAPACK's solver called directly: a step is small)
                 # as solve_triangular passes a C-ordered matrix: its transpose, transposed solve, same rounding
                 x, _ = _triangular_solve(triangle[first:j, first:j].T, u[dropped[first:j]], trans=1, lower=0)
                 u -= x @ used[first:j]
-            u[dropped[:j]] = 0.0
-            live = u[alive]
-            if not live.any():
-                continue
-            if live.max() <= 0:
+            u[dropped[:j]] = 0.0  # zero on the dropped coordinates: no dropped row comes back
+            top = u.max()
+            if top <= 0:
+                if not u.any():
+                    continue
                 u = -u
-            positive = alive & (u > 0)
             ratios.fill(np.inf)
-            np.divide(alpha, u, out=ratios, where=positive)
+            np.divide(alpha, u, out=ratios, where=u > 0)
             out = int(np.argmin(ratios))
             alpha -= ratios[out] * u  # one weight reaches zero; the combination does not move
             alpha[out] = 0.0
             np.maximum(alpha, 0.0, out=alpha)  # rounding may leave -1e-17 where the ratios tied
-            alive[out] = False
             used[j] = u
             dropped[j] = out
             triangle[j, :j + 1] = used[:j + 1, out]

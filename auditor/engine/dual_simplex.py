@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 import scipy.linalg
+import torch
 
 from auditor.engine.caratheodory import lifted_points
 from auditor.engine.head import EngineHead
@@ -53,14 +54,16 @@ class Basis:
         self.scale[self.scale == 0] = 1.0  # a coordinate zero on every pool row
         scaled = lifted / self.scale
         position = np.flatnonzero(np.isin(self.pool, start))
-        if position.size == scaled.shape[1] and _well_conditioned(scaled[position]):
+        inverse = _inverse_if_well_conditioned(scaled[position]) if position.size == scaled.shape[1] else None
+        if inverse is not None:
             # D start rows that span R^D: so does the pool, and the working coordinates are the scaled ones
             self.span, self.points, self.start = None, scaled, position
-        else:
-            _, sigma, vt = np.linalg.svd(scaled, full_matrices=False)
-            self.span = vt[:int((sigma > _SPAN * sigma[0]).sum())].T  # D x r
-            self.points = scaled @ self.span  # m x r
-            self.start = _independent(self.points, position)
+            self.inverse = np.ascontiguousarray(inverse.T)  # of the start's points as columns
+            return
+        _, sigma, vt = np.linalg.svd(scaled, full_matrices=False)
+        self.span = vt[:int((sigma > _SPAN * sigma[0]).sum())].T  # D x r
+        self.points = scaled @ self.span  # m x r
+        self.start = _independent(self.points, position)
         self.inverse = np.linalg.inv(self.points[self.start].T) if self.start is not None else None
 
     def certificate(self, k: int, point: np.ndarray | None = None, max_pivots: int | None = None
@@ -137,14 +140,17 @@ class Basis:
 _CONDITION = 1e-6  # reciprocal condition number (1-norm estimate) from which a square start is used as it is
 
 
-def _well_conditioned(square: np.ndarray) -> bool:
-    """Whether a square matrix is far from singular: LAPACK's estimate of its reciprocal 1-norm condition
-    number from an LU factorisation (O(D^3) once, against an SVD of the whole pool and two pivoted QRs)."""
-    factors, _, info = scipy.linalg.lapack.dgetrf(square)
-    if info != 0:
-        return False
-    rcond, info = scipy.linalg.lapack.dgecon(factors, float(np.abs(square).sum(axis=0).max()), norm="1")
-    return info == 0 and rcond >= _CONDITION
+def _inverse_if_well_conditioned(square: np.ndarray) -> np.ndarray | None:
+    """The inverse of a square matrix far from singular, else None: LAPACK's estimate of its reciprocal
+    1-norm condition number from an LU factorisation, and the inverse from the same factors (O(D^3) once,
+    against an SVD of the whole pool and two pivoted QRs)."""
+    factors, pivots, info = torch.linalg.lu_factor_ex(torch.from_numpy(square))  # torch: the audit's threads
+    if int(info) != 0:
+        return None
+    rcond, info = scipy.linalg.lapack.dgecon(factors.numpy(), float(np.abs(square).sum(axis=0).max()), norm="1")
+    if info != 0 or rcond < _CONDITION:
+        return None
+    return torch.linalg.lu_solve(factors, pivots, torch.eye(len(square), dtype=torch.float64)).numpy()
 
 
 def _independent(points: np.ndarray, chosen: np.ndarray) -> np.ndarray | None:

@@ -8,6 +8,7 @@ certificates need are formed by blocks of rows (``logits``, ``combine``).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -250,31 +251,68 @@ def _offsets(rows: torch.Tensor, centre: torch.Tensor | None) -> torch.Tensor:
     return rows - centre if centre is not None else rows
 
 
-_MEDIAN_ENTRIES = 1 << 22  # entries of the block of columns one selection sorts (16 MiB of float32)
+_MEDIAN_ENTRIES = 1 << 20  # entries of the block of columns one selection sorts (4 MiB of float32, a thread)
+_MEDIAN_COLUMNS = 64  # but no fewer columns (256 bytes of each float32 row; 32 MiB at 128k rows)
 
 
-def median_row(weight: torch.Tensor, competitor: torch.Tensor) -> torch.Tensor:
+def median_row(weight: torch.Tensor, competitor: torch.Tensor, extremes: list | None = None) -> torch.Tensor:
     """The coordinate-wise lower median of the competitor rows (float64): a centre no far row can
     drag, which moves exactly with the rows when they are all translated or scaled. A few columns at a
-    time, each block copied contiguous for the selection, so that no copy of the whole head is made."""
+    time, each block copied contiguous for the selection, so that no copy of the whole head is made; on
+    the CPU the columns are shared among as many Python threads as torch has (numpy's selection releases
+    the GIL), each with its own two buffers. ``extremes``, when given, receives each column's largest and
+    smallest competitor entry (float64), read off the same blocks."""
     rows = torch.nonzero(competitor).flatten()
-    width = max(1, _MEDIAN_ENTRIES // max(rows.numel(), 1))
-    median = torch.empty(weight.shape[1], dtype=torch.float64, device=weight.device)
-    for s in range(0, weight.shape[1], width):
-        columns = weight[:, s:s + width].index_select(0, rows).T.contiguous()
-        median[s:s + width] = _lower_median_of_rows(columns).to(torch.float64)
+    count, d = rows.numel(), weight.shape[1]
+    threads = max(1, min(torch.get_num_threads(), d)) if weight.device.type == "cpu" else 1
+    share = -(-d // threads)  # columns per thread
+    # at least _MEDIAN_COLUMNS columns a block: the gather reads that many entries of each row at once
+    width = max(1, min(max(_MEDIAN_COLUMNS, _MEDIAN_ENTRIES // max(count, 1)), share))
+    median = torch.empty(d, dtype=torch.float64, device=weight.device)
+    largest, smallest = torch.empty_like(median), torch.empty_like(median)
+
+    def select(first: int) -> None:
+        gathered = torch.empty(count * width, dtype=weight.dtype, device=weight.device)
+        columns = torch.empty_like(gathered)
+        for s in range(first, min(first + share, d), width):
+            wide = min(width, first + share - s, d - s)
+            block = gathered[:count * wide].view(count, wide)
+            torch.index_select(weight[:, s:s + wide], 0, rows, out=block)
+            transposed = columns[:count * wide].view(wide, count)
+            transposed.copy_(block.T)
+            median[s:s + wide], largest[s:s + wide], smallest[s:s + wide] = _order_statistics(transposed)
+
+    firsts = list(range(0, d, share))
+    if len(firsts) > 1:
+        with ThreadPoolExecutor(len(firsts) - 1) as pool:  # this thread takes the first share
+            others = [pool.submit(select, first) for first in firsts[1:]]  # each writes its own columns
+            select(firsts[0])
+            for done in others:
+                done.result()
+    else:
+        select(0)
+    if extremes is not None:
+        extremes[:] = [largest, smallest]
     # a zero median as -0.0, whichever zero the selection returned: then w - m turns both zeros of a column
     # into +0.0, as the translation of W + v turns the entries equal to its median (x - x = +0.0)
     return torch.where(median == 0, torch.full_like(median, -0.0), median)
 
 
-def _lower_median_of_rows(block: torch.Tensor) -> torch.Tensor:
-    """The lower median of each row of a contiguous block: numpy's introselect on the CPU (a third of
-    torch.kthvalue's time there), kthvalue elsewhere; an order statistic, so both give the same value."""
+def _order_statistics(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The lower median, the largest and the smallest entry of each row of a contiguous block (float64),
+    which it may reorder: numpy's introselect in place on the CPU (a third of torch.kthvalue's time there),
+    after which the smallest entry lies in the first half of the row and the largest in the second;
+    kthvalue elsewhere. Order statistics, so both give the same values."""
     k = (block.shape[1] + 1) // 2
     if block.device.type == "cpu":
-        return torch.from_numpy(np.partition(block.numpy(), k - 1, axis=1)[:, k - 1])
-    return torch.kthvalue(block, k, dim=1).values
+        values = block.numpy()
+        values.partition(k - 1, axis=1)
+        return (torch.from_numpy(values[:, k - 1].astype(np.float64)),
+                torch.from_numpy(values[:, k - 1:].max(axis=1).astype(np.float64)),
+                torch.from_numpy(values[:, :k].min(axis=1).astype(np.float64)))
+    smallest, largest = torch.aminmax(block, dim=1)
+    return (torch.kthvalue(block, k, dim=1).values.to(torch.float64), largest.to(torch.float64),
+            smallest.to(torch.float64))
 
 
 def storage_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -288,28 +326,9 @@ def storage_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.float32
 
 
-def _low_quantile(norms: torch.Tensor) -> float:
-    positive = norms[norms > 0]
-    if positive.numel() == 0:
-        return 0.0
-    return float(torch.kthvalue(positive.cpu(), max(1, int(0.1 * positive.numel()))).values)
-
-
-def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, representative: np.ndarray,
-                      domain: Domain, residual_tol: float, row_error: torch.Tensor | None = None,
-                      bias_error: torch.Tensor | None = None, median: torch.Tensor | None = None) -> EngineHead:
-    """The engine's head; ``median`` is median_row(weight, competitors) when the caller has it already
-    (the normal form, which moved the median it found exactly)."""
+def _row_facts(weight: torch.Tensor, competitor: torch.Tensor, median: torch.Tensor) -> RowFacts:
+    """One float64 pass: the rows' norms, their distances from the median and the competitors' mean."""
     device = weight.device
-    competitor_np = representative == np.arange(representative.shape[0])
-    competitor = torch.as_tensor(competitor_np, device=device)
-    row_mask = None
-    if not competitor_np.all():
-        row_mask = torch.zeros(weight.shape[0], dtype=torch.float64, device=device)
-        row_mask[~competitor] = -torch.inf
-    if median is None:
-        median = median_row(weight, competitor)
-    # one float64 pass for the rows' norms, their distances from the median and their sum
     row_norm = torch.empty(weight.shape[0], dtype=torch.float64, device=device)
     distance = torch.empty(weight.shape[0], dtype=torch.float64, device=device)
     centre = torch.zeros(weight.shape[1], dtype=torch.float64, device=device)
@@ -317,16 +336,55 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
         row_norm[s:e] = torch.linalg.vector_norm(rows, dim=1)
         distance[s:e] = torch.linalg.vector_norm(rows - median, dim=1)
         centre += rows[competitor[s:e]].sum(dim=0)
-    row_norm = _without_underflow(row_norm, weight, None)
-    distance = _without_underflow(distance, weight, median)
     centre /= int(competitor.sum())
+    return RowFacts(_without_underflow(row_norm, weight, None), _without_underflow(distance, weight, median),
+                    centre, None)
+
+
+def _low_quantile(norms: torch.Tensor) -> float:
+    positive = norms[norms > 0]
+    if positive.numel() == 0:
+        return 0.0
+    return float(torch.kthvalue(positive.cpu(), max(1, int(0.1 * positive.numel()))).values)
+
+
+@dataclass
+class RowFacts:
+    """Per-row facts of a head (float64), as build_engine_head finds them; the normal form finds them on the
+    passes it makes anyway (normal_form.py)."""
+
+    norm: torch.Tensor  # ||w_i||
+    distance: torch.Tensor  # ||w_i - m||, m the coordinate-wise median row
+    centre: torch.Tensor  # the mean of the competitor rows
+    centre_logits: torch.Tensor | None  # w_i . (centre rounded to the storage dtype); None: not formed
+
+
+def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, representative: np.ndarray,
+                      domain: Domain, residual_tol: float, row_error: torch.Tensor | None = None,
+                      bias_error: torch.Tensor | None = None, median: torch.Tensor | None = None,
+                      facts: RowFacts | None = None) -> EngineHead:
+    """The engine's head; ``median`` is median_row(weight, competitors) and ``facts`` the rows' facts when the
+    caller has them already (the normal form, which moved the median it found exactly and measured the rows
+    on its own passes)."""
+    device = weight.device
+    competitor_np = representative == np.arange(representative.shape[0])
+    competitor = torch.as_tensor(competitor_np, device=device)
+    row_mask = None
+    if not competitor_np.all():
+        row_mask = torch.zeros(weight.shape[0], dtype=torch.float64, device=device)
+        row_mask[~competitor] = -torch.inf
+    if facts is None:
+        facts = _row_facts(weight, competitor, median if median is not None else median_row(weight, competitor))
+    row_norm, distance, centre = facts.norm, facts.distance, facts.centre
     # rows exactly at the median keep 0: their differences with each other are exact zeros
     spread_norm = torch.where(distance > 0, distance * (1 + gamma(weight.shape[1] + 2)) + underflow_floor(weight.shape[1]),
                               distance)
     witness_centre = centre.to(weight.dtype).to(torch.float64)  # a float32 head's screen uses it as it is
-    centre_logits = torch.empty(weight.shape[0], dtype=torch.float64, device=device)
-    for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
-        centre_logits[s:e] = rows @ witness_centre
+    centre_logits = facts.centre_logits
+    if centre_logits is None:
+        centre_logits = torch.empty(weight.shape[0], dtype=torch.float64, device=device)
+        for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
+            centre_logits[s:e] = rows @ witness_centre
     return EngineHead(
         weight=weight, bias=bias, representative=representative, competitor=competitor, row_mask=row_mask,
         row_norm=row_norm, max_row_norm=float(row_norm[competitor].max()), spread_norm=spread_norm,

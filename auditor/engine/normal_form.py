@@ -42,12 +42,13 @@ import torch
 from auditor._arrays import row_blocks
 from auditor.domain import Domain
 from auditor.engine.decisions import ARGMAXABLE, INCONCLUSIVE, Decisions
-from auditor.engine.head import EngineHead, median_row
+from auditor.engine.head import EngineHead, RowFacts, median_row
 from auditor.engine.rounding import gamma, safe_norm
 from auditor.errors import InputError
 
 _OFFSET_RATIO = 64.0  # translate when the median row is this many typical spreads from the origin
 _BLOCK_ROWS = 2048
+_FIRST_ROWS = 64
 
 
 @dataclass
@@ -63,6 +64,9 @@ class NormalForm:
     # median_row of ``weight``: the given rows' median moved by the same exact steps (a translation by
     # itself gives 0; rounding and powers of two are non-decreasing maps, and commute with order statistics)
     median: torch.Tensor | None = None
+    # per-row facts of ``weight`` (float64), found on the pass that found the spread: ||w_i||, ||w_i - median||,
+    # the mean of the competitor rows and the rows' products with it rounded to the storage (see head.RowFacts)
+    facts: RowFacts | None = None
 
     def given_length(self, length: float) -> float:
         """A distance between rows of the normal form, in the units of the rows as given."""
@@ -90,24 +94,62 @@ def _exponent(peak: float) -> int:
     return 0 if peak == 0.0 else -math.frexp(peak)[1]
 
 
-def _scaled(t: torch.Tensor, e: int, what: str) -> torch.Tensor:
-    """t 2^e, checked exact (no entry under- or overflowed) by scaling back; by blocks of rows, so that the
-    one copy made is the result (a float32 head whose range needs float64 is converted first)."""
-    if e == 0:
-        return t
-    factor_a, factor_b = _halves(e)
-    scaled = torch.empty_like(t)
-    for s in range(0, t.shape[0], _BLOCK_ROWS):
-        block = t[s:s + _BLOCK_ROWS]
-        part = scaled[s:s + _BLOCK_ROWS]
-        torch.mul(block, factor_a, out=part).mul_(factor_b)
-        if not torch.equal(part * (1 / factor_a) * (1 / factor_b), block):
-            if t.dtype == torch.float32:  # float32's narrower range: float64 holds it exactly
-                del scaled
-                return _scaled(t.to(torch.float64), e, what)
-            raise InputError(f"the {what} spans more orders of magnitude than float64 can hold exactly "
-                             f"(largest entry {float(t.abs().max()):.3g}); rescale it")
-    return scaled
+def _scaled(t: torch.Tensor, e: int, what: str, centre: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(t 2^e checked exact (no entry under- or overflowed) by scaling back, and with ``centre`` (float64)
+    the float64 products of the scaled rows with ``centre`` rounded to their dtype, formed while each block
+    is at hand). By blocks of rows, so that the one copy made is the result (a float32 head whose range needs
+    float64 is converted first)."""
+    if e == 0 and centre is None:
+        return t, None
+    # one factor 2^e where it and 2^-e are normal numbers of the dtype (a float32 tensor takes a Python
+    # factor as float32), else two exact steps
+    smallest = -np.finfo(np.float32 if t.dtype == torch.float32 else np.float64).minexp
+    factors = (math.ldexp(1.0, e),) if abs(e) < smallest else _halves(e)
+    inverse = tuple(1 / f for f in factors)
+    tiny = float(torch.finfo(t.dtype).tiny)
+    scaled = torch.empty_like(t) if e != 0 else t
+    products = None
+    if centre is not None:
+        witness = centre.to(t.dtype).to(torch.float64)
+        products = torch.empty(t.shape[0], dtype=torch.float64, device=t.device)
+    step = 4 * _cache_rows(t.shape[1] if t.dim() > 1 else 1)  # float32 rows: about 512 at d = 1024
+    wide = torch.empty((step,) + tuple(t.shape[1:]), dtype=torch.float64, device=t.device) if centre is not None else None
+    magnitude = torch.empty((step,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    for s in range(0, t.shape[0], step):
+        block = t[s:s + step]
+        part = scaled[s:s + step]
+        if e != 0:
+            torch.mul(block, factors[0], out=part)
+            for f in factors[1:]:
+                part.mul_(f)
+            if (not _surely_exact(part, e, tiny, magnitude[:block.shape[0]])
+                    and not torch.equal(_scaled_back(part, inverse), block)):
+                if t.dtype == torch.float32:  # float32's narrower range: float64 holds it exactly
+                    del scaled
+                    return _scaled(t.to(torch.float64), e, what, centre)
+                raise InputError(f"the {what} spans more orders of magnitude than float64 can hold exactly "
+                                 f"(largest entry {float(t.abs().max()):.3g}); rescale it")
+        if products is not None:
+            x = wide[:block.shape[0]]
+            x.copy_(part)
+            torch.mv(x, witness, out=products[s:s + step])
+    return scaled, products
+
+
+def _surely_exact(part: torch.Tensor, e: int, tiny: float, scratch: torch.Tensor) -> bool:
+    """Whether x 2^e was exact for every entry, read off the results alone: a product with 2^e rounds only
+    when it overflows or lands below the normal range (for e < 0, where the input's low bits may fall off);
+    a finite result at least ``tiny`` throughout proves it, one pass. False: the slow check decides."""
+    low, high = torch.aminmax(torch.abs(part, out=scratch))
+    return bool(torch.isfinite(high)) and (e > 0 or float(low) >= tiny)
+
+
+def _scaled_back(part: torch.Tensor, inverse: tuple[float, ...]) -> torch.Tensor:
+    back = part * inverse[0]
+    for f in inverse[1:]:
+        back.mul_(f)
+    return back
 
 
 def _lower_median(values: torch.Tensor) -> float:
@@ -136,11 +178,13 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
     # The rows less their coordinate-wise median m, an entry of each column: m moves exactly with a
     # common offset v of the rows (median(W + v) = median(W) + v when W + v is exact), so W and W + v
     # give the same real numbers w_i - m, rounded alike, and the engine sees bit-identical rows.
-    centre = median_row(weight, competitor)
+    extremes: list = []
+    centre = median_row(weight, competitor, extremes)
     # Distances are measured on the head scaled by 2^p, p from the largest |w_ij - m_j|, so that no
     # square overflows or underflows; p, like everything below, moves exactly with the head's scale.
-    p = _exponent(_peak_offset(weight, centre))
-    spread = _spread(weight, competitor, p, centre)
+    p = _exponent(_peak_offset(centre, *extremes))
+    facts = _row_facts(weight, competitor, p, centre)
+    spread = float(torch.median(facts.distance[competitor]))
     translation = None
     # A float64 head is always translated; a float32 head when its differences are float32 values (no
     # larger copy, nothing rounded), or through a float64 copy when its rows share an offset far larger
@@ -163,30 +207,35 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
         c = _exponent(float(torch.median(sizes))) if sizes.numel() else 0
     else:
         c = a
-    weight = _scaled(weight, a, "head")
+    # The facts in the units of the normal form: its rows are 2^a (w_i - t), t = m or 0, and the pass above
+    # measured 2^p (w_i - m) and 2^p w_i, so each fact is 2^(a - p) times one measured (an exact step: the
+    # rows' scale lies within float64's range once 2^a W does). A sum is scaled before it is divided, as a
+    # sum of the scaled rows would be.
+    ratio = a - p
+    row_norm = facts.distance if translation is not None else facts.norm
+    total = facts.offset_total if translation is not None else facts.total
+    centre_of_rows = times_power_of_two(total, ratio) / int(competitor.sum())
+    weight, products = _scaled(weight, a, "head", centre_of_rows)
+    facts = RowFacts(norm=times_power_of_two(row_norm, ratio), distance=times_power_of_two(facts.distance, ratio),
+                     centre=centre_of_rows, centre_logits=products)
     if bias is not None:
-        bias = _scaled(bias, c, "bias")
+        bias, _ = _scaled(bias, c, "bias")
     if row_error is not None:
         row_error = row_error * _power(a)
     if bias_error is not None:
         bias_error = bias_error * _power(c)
-    median = torch.full_like(centre, -0.0) if translation is not None else _scaled(centre, a, "head")
-    return NormalForm(weight, bias, domain.scaled(c - a), row_error, bias_error, a, c, translation, median)
+    median = torch.full_like(centre, -0.0) if translation is not None else _scaled(centre, a, "head")[0]
+    return NormalForm(weight, bias, domain.scaled(c - a), row_error, bias_error, a, c, translation, median, facts)
 
 
-def _peak_offset(weight: torch.Tensor, centre: torch.Tensor) -> float:
+def _peak_offset(centre: torch.Tensor, largest: torch.Tensor, smallest: torch.Tensor) -> float:
     """max_ij |w_ij - m_j| (each difference rounded to float64), from each column's largest and smallest
-    entry in the head's own dtype: rounding is non-decreasing, so max_i fl(w_ij - m_j) = fl(max_i w_ij - m_j)
-    and max_i fl(m_j - w_ij) = fl(m_j - min_i w_ij); no float64 copy of the rows is formed."""
-    if weight.numel() == 0:
+    entry: rounding is non-decreasing, so max_i fl(w_ij - m_j) = fl(max_i w_ij - m_j) and max_i fl(m_j - w_ij)
+    = fl(m_j - min_i w_ij); no float64 copy of the rows is formed. The extremes of the competitor rows are
+    those of all rows: the others are copies of them."""
+    if centre.numel() == 0:
         return 0.0
-    largest, smallest = weight[:_BLOCK_ROWS].amax(dim=0), weight[:_BLOCK_ROWS].amin(dim=0)
-    for s in range(_BLOCK_ROWS, weight.shape[0], _BLOCK_ROWS):  # by blocks: a column reduction is slow at once
-        torch.maximum(largest, weight[s:s + _BLOCK_ROWS].amax(dim=0), out=largest)
-        torch.minimum(smallest, weight[s:s + _BLOCK_ROWS].amin(dim=0), out=smallest)
-    above = largest.to(torch.float64) - centre
-    below = centre - smallest.to(torch.float64)
-    return float(torch.maximum(above, below).max())
+    return float(torch.maximum(largest - centre, centre - smallest).max())
 
 
 def _two_difference(rows: torch.Tensor, centre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,8 +253,10 @@ def _translated(weight: torch.Tensor, centre: torch.Tensor, widen: bool
     exactly; else (None, None): the head stays as given."""
     if weight.dtype == torch.float32:
         narrow = torch.empty_like(weight)
-        for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
-            difference, error = _two_difference(rows, centre)
+        # a first block of a few rows: most float32 heads have inexact differences, and show it there
+        starts = [0] + list(range(_FIRST_ROWS, weight.shape[0], _BLOCK_ROWS))
+        for s, e in zip(starts, starts[1:] + [weight.shape[0]]):
+            difference, error = _two_difference(weight[s:e].to(torch.float64), centre)
             narrow[s:e] = difference.to(torch.float32)
             if bool(error.any()) or not torch.equal(narrow[s:e].to(torch.float64), difference):
                 del narrow
@@ -224,14 +275,55 @@ def _translated(weight: torch.Tensor, centre: torch.Tensor, widen: bool
     return wide, None
 
 
-def _spread(weight: torch.Tensor, competitor: torch.Tensor, p: int, centre: torch.Tensor | None) -> float:
-    """The median distance of the competitor rows from ``centre`` (0 when None: the rows are translated
-    already) on the head scaled by 2^p."""
+@dataclass
+class _Measured:
+    """What one float64 pass over the rows as given measures, on the head scaled by 2^p."""
+
+    distance: torch.Tensor  # ||2^p (w_i - m)||
+    norm: torch.Tensor  # ||2^p w_i||
+    total: torch.Tensor  # sum of 2^p w_i over the competitors
+    offset_total: torch.Tensor  # sum of 2^p (w_i - m) over the competitors
+
+
+def _cache_rows(d: int) -> int:
+    """Rows of float64 scratch that fit a core's cache (1 MiB): a pass over the head through buffers of this
+    size runs about half again as fast as one through fresh 2048-row blocks."""
+    return max(16, (1 << 17) // max(d, 1))
+
+
+_UNDERFLOW = 1e-150  # a norm below this may have lost its squares to underflow: found again by safe_norm
+
+
+def _row_facts(weight: torch.Tensor, competitor: torch.Tensor, p: int, centre: torch.Tensor) -> _Measured:
+    """The distances of the rows from ``centre``, their norms and the competitors' sums, on the head scaled
+    by 2^p (in [1/2, 1) at its largest offset from ``centre``: no square overflows), in one pass. 2^p is exact
+    on float64 numbers, so 2^p (w_i - m) is fl(w_i - m) scaled, the row the normal form holds, scaled."""
     factor = _power(p)
-    distances = torch.empty(weight.shape[0], dtype=torch.float64, device=weight.device)
-    for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
-        distances[s:e] = torch.linalg.vector_norm((rows - centre if centre is not None else rows) * factor, dim=1)
-    return float(torch.median(distances[competitor]))
+    shifted = centre * factor
+    n = weight.shape[0]
+    distance = torch.empty(n, dtype=torch.float64, device=weight.device)
+    norm = torch.empty(n, dtype=torch.float64, device=weight.device)
+    total = torch.zeros(weight.shape[1], dtype=torch.float64, device=weight.device)
+    offset_total = torch.zeros_like(total)
+    every = bool(competitor.all())  # then no copy of the competitor rows for the sums
+    step = _cache_rows(weight.shape[1])
+    rows = torch.empty(step, weight.shape[1], dtype=torch.float64, device=weight.device)
+    offsets = torch.empty_like(rows)
+    for s in range(0, n, step):
+        block = weight[s:s + step]
+        x, y = rows[:block.shape[0]], offsets[:block.shape[0]]
+        x.copy_(block).mul_(factor)  # into the buffer: a float64 head's block is its own rows
+        torch.sub(x, shifted, out=y)
+        torch.linalg.vector_norm(x, dim=1, out=norm[s:s + step])
+        torch.linalg.vector_norm(y, dim=1, out=distance[s:s + step])
+        chosen = slice(None) if every else competitor[s:s + step]
+        total += x[chosen].sum(dim=0)
+        offset_total += y[chosen].sum(dim=0)
+    for values, origin in ((distance, shifted), (norm, None)):
+        for i in torch.nonzero(values < _UNDERFLOW).flatten().tolist():
+            row = weight[i:i + 1].to(torch.float64) * factor
+            values[i] = safe_norm(row - origin if origin is not None else row, dim=1)[0]
+    return _Measured(distance, norm, total, offset_total)
 
 
 def _in_given_units(z: np.ndarray, e: int) -> tuple[np.ndarray, np.ndarray]:

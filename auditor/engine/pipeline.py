@@ -111,7 +111,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     competitor = torch.as_tensor(representative == np.arange(n), device=weight.device)
     form = normal_form(weight, bias, domain, competitor, row_error, bias_error)
     head = build_engine_head(form.weight, form.bias, representative, form.domain, options.residual_tol,
-                             form.row_error, form.bias_error, form.median)
+                             form.row_error, form.bias_error, form.median, form.facts)
     head.decide_at_tolerance = options.decide_at_tolerance
     head.bfloat16_entries, head.whitened_entries = options.bfloat16_entries, options.whitened_entries
     if form.translation is not None:

@@ -21,15 +21,27 @@ _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32:
 
 
 def _row_hashes(weight: torch.Tensor) -> np.ndarray:
+    """An integer hash of each row's bits: each entry's bits times an odd multiplier of their own width
+    (wrapping: a bijection on those bits), summed with wrapping in 32 bits for float32 rows (a vectorised sum,
+    twice as fast as int64's) and in 64 for float64. Equal rows hash alike; rows that collide are compared
+    by value, so a narrower hash costs comparisons, never a verdict."""
+    bits_dtype = _BITS[weight.dtype]
     generator = torch.Generator().manual_seed(0x5EED)
     multipliers = torch.randint(-2**62, 2**62, (weight.shape[1],), generator=generator, dtype=torch.int64)
-    multipliers = (multipliers | 1).to(weight.device)  # odd: every bit of every entry matters
-    out = torch.empty(weight.shape[0], dtype=torch.int64, device=weight.device)
-    for s in range(0, weight.shape[0], _BLOCK_ROWS):
-        block = weight[s:s + _BLOCK_ROWS] + 0.0  # -0.0 + 0.0 = 0.0
-        bits = block.contiguous().view(_BITS[block.dtype]).to(torch.int64)
-        out[s:s + _BLOCK_ROWS] = (bits * multipliers).sum(dim=1)  # wraps modulo 2^64: still a hash
-    return out.cpu().numpy()
+    multipliers = (multipliers | 1).to(bits_dtype).to(weight.device)  # odd: every bit of every entry matters
+    accumulate = torch.int64 if bits_dtype == torch.int64 else torch.int32
+    out = torch.empty(weight.shape[0], dtype=accumulate, device=weight.device)
+    # through buffers that stay in a core's cache (1 MiB), reused block after block
+    step = max(16, (1 << 18) // max(weight.shape[1] * weight.element_size(), 1) * 4)
+    values = torch.empty(step, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    for s in range(0, weight.shape[0], step):
+        block = weight[s:s + step]
+        v = values[:block.shape[0]]
+        torch.add(block, 0.0, out=v)  # -0.0 + 0.0 = 0.0
+        bits = v.view(bits_dtype)
+        bits.mul_(multipliers)  # in the buffer's own bits, wrapping: still a hash
+        torch.sum(bits, dim=1, dtype=accumulate, out=out[s:s + step])
+    return out.cpu().numpy().astype(np.int64)
 
 
 def duplicate_groups(weight: torch.Tensor, bias: torch.Tensor | None) -> np.ndarray:

@@ -1,0 +1,54 @@
+"""The maximum-entropy weights that move a head's centre onto a pool of its rows (caratheodory.py): found
+for pools the size the engine draws (3D rows), where the last steps' decrease of the objective is below its
+own rounding, and reproducing the target to the accuracy the reductions rely on."""
+
+import numpy as np
+import pytest
+
+from auditor.engine.caratheodory import _maximum_entropy
+
+
+@pytest.mark.parametrize("d, seed", [(128, 0), (384, 1)])
+def test_the_centre_of_a_head_is_reached_from_a_pool_of_3d_of_its_rows(d, seed):
+    rng = np.random.default_rng(seed)
+    rows = rng.standard_normal((40 * d, d)) * np.exp(0.1 * rng.standard_normal(40 * d))[:, None]
+    rows = rows.astype(np.float32).astype(np.float64)
+    target = rows.mean(axis=0)
+    pool = rows[np.sort(rng.choice(len(rows), size=3 * (d + 1), replace=False))]
+    pi = _maximum_entropy(pool, target)
+    assert pi is not None
+    assert np.all(pi > 0) and abs(pi.sum() - 1) <= 1e-12
+    scale = np.abs(pool - target).max()
+    assert np.abs(pi @ pool - target).max() <= 1e-12 * scale
+
+
+def test_the_centre_pool_of_the_real_minilm_head_with_mean_initialised_rows_is_found(vocabulary):
+    """all-MiniLM-L6-v2's 30522 rows and 8 rows as transformers adds them, in the engine's normal form: the
+    centre of the head is moved onto the engine's pool of 3D rows and reduced to a basis of D rows (the
+    few-token route's start). There the last steps' decrease of F is below its rounding while the
+    gradient is still 1e-11."""
+    import torch
+    from conftest import mean_initialised
+
+    from auditor.domain import Unbounded
+    from auditor.engine.caratheodory import centre_pool, lifted_dimension, spread_pool
+    from auditor.engine.head import build_engine_head
+    from auditor.engine.normal_form import normal_form
+    from auditor.engine.ties import duplicate_groups
+
+    W = torch.from_numpy(np.vstack([vocabulary, mean_initialised(vocabulary, 8, np.random.default_rng(31))]))
+    representative = duplicate_groups(W, None)
+    form = normal_form(W, None, Unbounded(), torch.as_tensor(representative == np.arange(len(W))))
+    head = build_engine_head(form.weight, None, representative, form.domain, 1e-10, form.row_error, None,
+                             form.median, form.facts)
+    found = centre_pool(head, spread_pool(head))
+    assert found is not None
+    pool, support = found
+    assert support.size == lifted_dimension(head) and np.isin(support, pool.indices).all()
+
+
+def test_a_target_outside_the_pools_hull_gets_none():
+    rng = np.random.default_rng(2)
+    pool = rng.standard_normal((60, 8))
+    outside = pool.max(axis=0) + 1.0  # beyond every row in every coordinate
+    assert _maximum_entropy(pool, outside) is None
