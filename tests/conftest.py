@@ -7,8 +7,15 @@ import sys
 import tempfile
 import warnings
 
-import numpy as np
-import pytest
+# Under pytest-xdist (`-n 2`) each worker gets at most its share of the cores, OMP_NUM_THREADS included, set
+# before torch starts its thread pool: two workers of two threads each on two cores take five times as long.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    _asked = os.environ.get("OMP_NUM_THREADS", "").strip()
+    os.environ["OMP_NUM_THREADS"] = str(min(int(_asked), _share) if _asked.isdigit() and int(_asked) > 0 else _share)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 

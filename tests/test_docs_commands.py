@@ -438,3 +438,13 @@ def test_commands_are_read_with_their_exit_codes_chains_and_comments():
         "audit fixtures/resized_demo.safetensors"
     assert split_chain("pip install x && audit 'a && b' && y") == ["pip install x", "audit 'a && b'", "y"]
     assert split_comment("python -c \"print('#')\"   # exits 1") == ("python -c \"print('#')\"", "exits 1")
+
+
+def test_ci_runs_the_test_command_readme_gives():
+    """.ci/run's pytest line is README's full-suite command, word for word (CI runs what README promises)."""
+    readme = (ROOT / "README.md").read_text()
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip().startswith("python -m pytest")]
+    assert len(ci) == 1
+    full = [line for line in readme.splitlines() if "lint-imports && python -m pytest" in line]
+    assert len(full) == 1 and full[0].strip().endswith("&& " + ci[0])

@@ -140,9 +140,11 @@ def _scaled(t: torch.Tensor, e: int, what: str, centre: torch.Tensor | None = No
 def _surely_exact(part: torch.Tensor, e: int, tiny: float, scratch: torch.Tensor) -> bool:
     """Whether x 2^e was exact for every entry, read off the results alone: a product with 2^e rounds only
     when it overflows or lands below the normal range (for e < 0, where the input's low bits may fall off);
-    a finite result at least ``tiny`` throughout proves it, one pass. False: the slow check decides."""
+    a finite result above ``tiny`` throughout proves it, one pass (the exact product then lay above tiny:
+    rounding is monotone; one that lay a hair below may round up to tiny itself). False: the slow check
+    decides."""
     low, high = torch.aminmax(torch.abs(part, out=scratch))
-    return bool(torch.isfinite(high)) and (e > 0 or float(low) >= tiny)
+    return bool(torch.isfinite(high)) and (e > 0 or float(low) > tiny)
 
 
 def _scaled_back(part: torch.Tensor, inverse: tuple[float, ...]) -> torch.Tensor:
@@ -189,7 +191,7 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
     # A float64 head is always translated; a float32 head when its differences are float32 values (no
     # larger copy, nothing rounded), or through a float64 copy when its rows share an offset far larger
     # than their spread (where rounding relative to the rows' size would swamp their differences).
-    far = spread > 0 and float(torch.linalg.vector_norm(centre * _power(p))) > _OFFSET_RATIO * spread
+    far = spread > 0 and float(torch.linalg.vector_norm(times_power_of_two(centre, p))) > _OFFSET_RATIO * spread
     translated, rounding = _translated(weight, centre, widen=weight.dtype == torch.float64 or far)
     if translated is not None:
         if rounding is not None:
@@ -207,17 +209,26 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
         c = _exponent(float(torch.median(sizes))) if sizes.numel() else 0
     else:
         c = a
-    # The facts in the units of the normal form: its rows are 2^a (w_i - t), t = m or 0, and the pass above
-    # measured 2^p (w_i - m) and 2^p w_i, so each fact is 2^(a - p) times one measured (an exact step: the
-    # rows' scale lies within float64's range once 2^a W does). A sum is scaled before it is divided, as a
-    # sum of the scaled rows would be.
-    ratio = a - p
-    row_norm = facts.distance if translation is not None else facts.norm
-    total = facts.offset_total if translation is not None else facts.total
-    centre_of_rows = times_power_of_two(total, ratio) / int(competitor.sum())
-    weight, products = _scaled(weight, a, "head", centre_of_rows)
-    facts = RowFacts(norm=times_power_of_two(row_norm, ratio), distance=times_power_of_two(facts.distance, ratio),
-                     centre=centre_of_rows, centre_logits=products)
+    if weight.dtype == torch.float64:
+        # rows of float64 (a float64 head, or a float32 head translated through float64): entries the normal
+        # form holds exactly may be subnormal, and rounded, at the 2^p scale, so the engine head measures
+        # them on the normal form's own rows (build_engine_head)
+        weight, _ = _scaled(weight, a, "head")
+        facts = None
+    else:
+        # The facts in the units of the normal form: its rows are 2^a (w_i - t), t = m or 0, and the pass
+        # above measured 2^p (w_i - m) and 2^p w_i, so each fact is 2^(a - p) times one measured (an exact
+        # step: the rows' scale lies within float64's range once 2^a W does). A sum is scaled before it is
+        # divided, as a sum of the scaled rows would be.
+        ratio = a - p
+        row_norm = facts.distance if translation is not None else facts.norm
+        total = facts.offset_total if translation is not None else facts.total
+        centre_of_rows = times_power_of_two(total, ratio) / int(competitor.sum())
+        measured = (facts.distance, row_norm)
+        weight, products = _scaled(weight, a, "head", centre_of_rows)
+        facts = RowFacts(norm=times_power_of_two(row_norm, ratio), distance=times_power_of_two(facts.distance, ratio),
+                         centre=centre_of_rows, centre_logits=products)
+        _measure_small_again(facts, measured, weight, None if translation is not None else _scaled(centre, a, "head")[0])
     if bias is not None:
         bias, _ = _scaled(bias, c, "bias")
     if row_error is not None:
@@ -285,6 +296,20 @@ class _Measured:
     offset_total: torch.Tensor  # sum of 2^p (w_i - m) over the competitors
 
 
+def _measure_small_again(facts: RowFacts, measured: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
+                         median: torch.Tensor | None) -> None:
+    """Distances and norms that were below _UNDERFLOW at the 2^p scale found again on the normal form's own
+    rows (``median``: theirs, None when they were translated), as build_engine_head finds them: there the
+    squares of their entries may have underflowed, and a scaled loss is not covered by underflow_floor."""
+    distance, row_norm = measured
+    for values, small, origin in ((facts.distance, distance, median), (facts.norm, row_norm, None)):
+        for i in torch.nonzero(small < _UNDERFLOW).flatten().tolist():
+            row = weight[i:i + 1].to(torch.float64)
+            if origin is not None:
+                row = row - origin
+            values[i] = safe_norm(row, dim=1)[0]
+
+
 def _cache_rows(d: int) -> int:
     """Rows of float64 scratch that fit a core's cache (1 MiB): a pass over the head through buffers of this
     size runs about half again as fast as one through fresh 2048-row blocks."""
@@ -295,16 +320,19 @@ _UNDERFLOW = 1e-150  # a norm below this may have lost its squares to underflow:
 
 
 def _row_facts(weight: torch.Tensor, competitor: torch.Tensor, p: int, centre: torch.Tensor) -> _Measured:
-    """The distances of the rows from ``centre``, their norms and the competitors' sums, on the head scaled
-    by 2^p (in [1/2, 1) at its largest offset from ``centre``: no square overflows), in one pass. 2^p is exact
-    on float64 numbers, so 2^p (w_i - m) is fl(w_i - m) scaled, the row the normal form holds, scaled."""
-    factor = _power(p)
-    shifted = centre * factor
+    """The distances of the rows from ``centre`` and the competitors' sum of offsets, on the head scaled by
+    2^p (in [1/2, 1) at its largest offset from ``centre``: no square overflows), in one pass: fl(w_i - m)
+    first, then 2^p in two exact steps (nothing can overflow, and the difference is the one an exact
+    translation leaves alike). For float32 rows also their norms and sum: 2^p w_i is exact in float64 there
+    (|2^p w_ij| lies within 2^+-277). A float64 head is always translated: its norms and sum are not wanted
+    (None)."""
+    first, second = _halves(p)
+    narrow = weight.dtype != torch.float64
     n = weight.shape[0]
     distance = torch.empty(n, dtype=torch.float64, device=weight.device)
-    norm = torch.empty(n, dtype=torch.float64, device=weight.device)
-    total = torch.zeros(weight.shape[1], dtype=torch.float64, device=weight.device)
-    offset_total = torch.zeros_like(total)
+    norm = torch.empty(n, dtype=torch.float64, device=weight.device) if narrow else None
+    total = torch.zeros(weight.shape[1], dtype=torch.float64, device=weight.device) if narrow else None
+    offset_total = torch.zeros(weight.shape[1], dtype=torch.float64, device=weight.device)
     every = bool(competitor.all())  # then no copy of the competitor rows for the sums
     step = _cache_rows(weight.shape[1])
     rows = torch.empty(step, weight.shape[1], dtype=torch.float64, device=weight.device)
@@ -312,17 +340,19 @@ def _row_facts(weight: torch.Tensor, competitor: torch.Tensor, p: int, centre: t
     for s in range(0, n, step):
         block = weight[s:s + step]
         x, y = rows[:block.shape[0]], offsets[:block.shape[0]]
-        x.copy_(block).mul_(factor)  # into the buffer: a float64 head's block is its own rows
-        torch.sub(x, shifted, out=y)
-        torch.linalg.vector_norm(x, dim=1, out=norm[s:s + step])
+        x.copy_(block)  # into the buffer: a float64 head's block is its own rows
+        torch.sub(x, centre, out=y).mul_(first).mul_(second)
         torch.linalg.vector_norm(y, dim=1, out=distance[s:s + step])
         chosen = slice(None) if every else competitor[s:s + step]
-        total += x[chosen].sum(dim=0)
         offset_total += y[chosen].sum(dim=0)
-    for values, origin in ((distance, shifted), (norm, None)):
-        for i in torch.nonzero(values < _UNDERFLOW).flatten().tolist():
-            row = weight[i:i + 1].to(torch.float64) * factor
-            values[i] = safe_norm(row - origin if origin is not None else row, dim=1)[0]
+        if narrow:
+            x.mul_(first).mul_(second)
+            torch.linalg.vector_norm(x, dim=1, out=norm[s:s + step])
+            total += x[chosen].sum(dim=0)
+    for values, origin in ((distance, centre), (norm, None)):
+        for i in torch.nonzero(values < _UNDERFLOW).flatten().tolist() if values is not None else ():
+            row = weight[i:i + 1].to(torch.float64)
+            values[i] = times_power_of_two(safe_norm(row - origin if origin is not None else row, dim=1)[0], p)
     return _Measured(distance, norm, total, offset_total)
 
 
