@@ -85,3 +85,59 @@ def test_a_product_that_rounds_up_to_the_smallest_normal_is_not_taken_as_exact(d
     else:
         with pytest.raises(InputError, match="orders of magnitude"):
             _scaled(t, e, "head")
+
+
+def _float32_edges():
+    """float32 heads at the edges of their range: (name, rows)."""
+    rng = np.random.default_rng(2)
+    B = rng.standard_normal((7, 3))
+    W = np.zeros((7, 3))
+    W[:, 0] = 2.0**127
+    W[:, 1:] = np.round(B[:, 1:] * 8) * 2.0**-149
+    yield "a column at 2^127, a subnormal spread", W
+    huge = B * 2.0**100
+    huge[0, 0], huge[1, 1] = 2.0**-140, -(2.0**-149)
+    yield "2^100 entries beside subnormals", huge
+    yield "every entry subnormal", np.round(B * 4) * 2.0**-149
+    yield "near float32's largest", np.clip(B, -1, 1) * 2.0**127
+    yield "a far common offset", B * 1e-3 + 1000.0
+    tiny = B * 2.0**-140
+    tiny[0], tiny[1] = 2.0**120, [1e-30, 3e-30, 0.0]
+    yield "one far row, the others tiny", tiny
+    grid = np.round(B * 8) * 2.0**-149
+    grid[0] = [2.0**100, 2.0**101, 2.0**99]
+    yield "a far row beside a subnormal grid", grid
+    yield "every row equal", np.tile(B[0] * 2.0**120, (4, 1))
+
+
+@pytest.mark.parametrize("name, W", list(_float32_edges()), ids=[name for name, _ in _float32_edges()])
+def test_float32_facts_at_the_edges_of_the_range_are_exact_bounds_and_those_the_engine_head_finds(name, W):
+    W = torch.from_numpy(np.asarray(W, dtype=np.float32))
+    form, head = _engine_head(W)
+    representative = duplicate_groups(W, None)
+    found = build_engine_head(form.weight, None, representative, form.domain, 1e-10, form.row_error, None,
+                              form.median)
+    for field in ("row_norm", "spread_norm", "centre", "centre_logits"):
+        assert torch.equal(getattr(head, field), getattr(found, field)), field
+    median = form.median.double()
+    for i in range(W.shape[0]):
+        distance = _exact_square(form.weight[i].double(), median)
+        assert Fraction(float(head.spread_norm[i])) ** 2 >= distance, i
+        norm = _exact_square(form.weight[i].double(), torch.zeros_like(median))
+        assert abs(Fraction(float(head.row_norm[i])) ** 2 - norm) <= Fraction(1, 10**12) * norm, i
+
+
+def test_zeros_of_the_input_pass_the_quick_exactness_test_and_an_underflow_to_zero_does_not():
+    """A translated head has a zero in every column: zeros scale exactly, so they do not send a block to the
+    slow check; a nonzero entry that underflows to zero is a rounding, and fails it."""
+    from auditor.engine.normal_form import _surely_exact
+
+    e = -3
+    tiny = float(torch.finfo(torch.float32).tiny)
+    clean = torch.tensor([[0.0, 1.5, -0.25], [0.0, 0.0, 3.0]], dtype=torch.float32)
+    assert _surely_exact(clean, clean * 2.0**e, e, tiny, torch.empty_like(clean))
+    lost = clean.clone()
+    lost[1, 1] = math.ldexp(1.0, -148)  # 2^-151 is below float32's smallest subnormal: rounds to 0
+    scaled = lost * 2.0**e
+    assert float(scaled[1, 1]) == 0.0
+    assert not _surely_exact(lost, scaled, e, tiny, torch.empty_like(lost))

@@ -123,7 +123,7 @@ def _scaled(t: torch.Tensor, e: int, what: str, centre: torch.Tensor | None = No
             torch.mul(block, factors[0], out=part)
             for f in factors[1:]:
                 part.mul_(f)
-            if (not _surely_exact(part, e, tiny, magnitude[:block.shape[0]])
+            if (not _surely_exact(block, part, e, tiny, magnitude[:block.shape[0]])
                     and not torch.equal(_scaled_back(part, inverse), block)):
                 if t.dtype == torch.float32:  # float32's narrower range: float64 holds it exactly
                     del scaled
@@ -137,14 +137,21 @@ def _scaled(t: torch.Tensor, e: int, what: str, centre: torch.Tensor | None = No
     return scaled, products
 
 
-def _surely_exact(part: torch.Tensor, e: int, tiny: float, scratch: torch.Tensor) -> bool:
-    """Whether x 2^e was exact for every entry, read off the results alone: a product with 2^e rounds only
-    when it overflows or lands below the normal range (for e < 0, where the input's low bits may fall off);
-    a finite result above ``tiny`` throughout proves it, one pass (the exact product then lay above tiny:
-    rounding is monotone; one that lay a hair below may round up to tiny itself). False: the slow check
-    decides."""
+def _surely_exact(block: torch.Tensor, part: torch.Tensor, e: int, tiny: float, scratch: torch.Tensor) -> bool:
+    """Whether ``part`` = ``block`` 2^e was exact for every entry, read off the results: a product with 2^e
+    rounds only when it overflows or lands below the normal range (for e < 0, where the input's low bits
+    may fall off); a finite result above ``tiny`` throughout proves it, one pass (the exact product then
+    lay above tiny: rounding is monotone; one that lay a hair below may round up to tiny itself). False:
+    the slow check decides."""
     low, high = torch.aminmax(torch.abs(part, out=scratch))
-    return bool(torch.isfinite(high)) and (e > 0 or float(low) > tiny)
+    if not bool(torch.isfinite(high)):
+        return False
+    if e > 0 or float(low) > tiny:
+        return True
+    if float(low) == 0:  # the input's zeros scale exactly (a translated head has one in each column): the
+        # rest decide; a zero from a nonzero input (an underflow) stays and fails the test
+        low = scratch.masked_fill_(block == 0, torch.inf).amin()
+    return float(low) > tiny
 
 
 def _scaled_back(part: torch.Tensor, inverse: tuple[float, ...]) -> torch.Tensor:
@@ -299,8 +306,9 @@ class _Measured:
 def _measure_small_again(facts: RowFacts, measured: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
                          median: torch.Tensor | None) -> None:
     """Distances and norms that were below _UNDERFLOW at the 2^p scale found again on the normal form's own
-    rows (``median``: theirs, None when they were translated), as build_engine_head finds them: there the
-    squares of their entries may have underflowed, and a scaled loss is not covered by underflow_floor."""
+    rows (``median``: theirs, None when they were translated), as build_engine_head finds them: a loss to
+    underflow there, scaled by 2^(a - p), would not be covered by underflow_floor. (For float32 rows, the
+    only ones measured at 2^p, every nonzero fact there exceeds 2^-279: only exact zeros come back.)"""
     distance, row_norm = measured
     for values, small, origin in ((facts.distance, distance, median), (facts.norm, row_norm, None)):
         for i in torch.nonzero(small < _UNDERFLOW).flatten().tolist():
@@ -320,19 +328,19 @@ _UNDERFLOW = 1e-150  # a norm below this may have lost its squares to underflow:
 
 
 def _row_facts(weight: torch.Tensor, competitor: torch.Tensor, p: int, centre: torch.Tensor) -> _Measured:
-    """The distances of the rows from ``centre`` and the competitors' sum of offsets, on the head scaled by
-    2^p (in [1/2, 1) at its largest offset from ``centre``: no square overflows), in one pass: fl(w_i - m)
-    first, then 2^p in two exact steps (nothing can overflow, and the difference is the one an exact
-    translation leaves alike). For float32 rows also their norms and sum: 2^p w_i is exact in float64 there
-    (|2^p w_ij| lies within 2^+-277). A float64 head is always translated: its norms and sum are not wanted
-    (None)."""
+    """The distances of the rows from ``centre`` on the head scaled by 2^p (in [1/2, 1) at its largest offset
+    from ``centre``: no square overflows), in one pass: fl(w_i - m) first, then 2^p in two exact steps
+    (nothing can overflow, and the difference is the one an exact translation leaves alike). For float32
+    rows also their norms and the competitors' sums of rows and offsets: 2^p w_i is exact in float64 there
+    (|2^p w_ij| lies within 2^+-277). Only the distances of a float64 head are wanted (its spread): its
+    facts are measured on the normal form's rows (None here)."""
     first, second = _halves(p)
     narrow = weight.dtype != torch.float64
     n = weight.shape[0]
     distance = torch.empty(n, dtype=torch.float64, device=weight.device)
     norm = torch.empty(n, dtype=torch.float64, device=weight.device) if narrow else None
     total = torch.zeros(weight.shape[1], dtype=torch.float64, device=weight.device) if narrow else None
-    offset_total = torch.zeros(weight.shape[1], dtype=torch.float64, device=weight.device)
+    offset_total = torch.zeros(weight.shape[1], dtype=torch.float64, device=weight.device) if narrow else None
     every = bool(competitor.all())  # then no copy of the competitor rows for the sums
     step = _cache_rows(weight.shape[1])
     rows = torch.empty(step, weight.shape[1], dtype=torch.float64, device=weight.device)
@@ -343,9 +351,9 @@ def _row_facts(weight: torch.Tensor, competitor: torch.Tensor, p: int, centre: t
         x.copy_(block)  # into the buffer: a float64 head's block is its own rows
         torch.sub(x, centre, out=y).mul_(first).mul_(second)
         torch.linalg.vector_norm(y, dim=1, out=distance[s:s + step])
-        chosen = slice(None) if every else competitor[s:s + step]
-        offset_total += y[chosen].sum(dim=0)
         if narrow:
+            chosen = slice(None) if every else competitor[s:s + step]
+            offset_total += y[chosen].sum(dim=0)
             x.mul_(first).mul_(second)
             torch.linalg.vector_norm(x, dim=1, out=norm[s:s + step])
             total += x[chosen].sum(dim=0)
