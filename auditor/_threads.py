@@ -8,9 +8,9 @@ applies, else torch's own default.
 numpy's and scipy's own BLAS libraries run on one thread during an audit. The
 heavy passes are torch's; numpy and scipy get the small dense problems (pools,
 bases, eliminations), which gain little from a second thread, and an OpenBLAS
-thread that waits for work spins on a core torch's threads need: with both on
-2 cores, a float64 Hessian in torch takes 6.5 ms instead of 2.9 ms
-(docs/performance.md, "Threads").
+thread that waits for work spins on a core torch's threads need
+(bench/blas_threads.py measures what that costs; docs/performance.md, "numpy's
+BLAS threads").
 """
 
 from __future__ import annotations

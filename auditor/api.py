@@ -62,7 +62,8 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     2^22, below which neither pays for itself. Every certificate holds either way.
 
     ``threads`` caps the CPU threads torch uses during the call (the previous
-    setting is restored afterwards); None takes OMP_NUM_THREADS when it is set,
+    setting is restored afterwards; numpy's and scipy's BLAS run on one thread
+    meanwhile); None takes OMP_NUM_THREADS when it is set,
     else torch's current setting. The count used is ``report.threads``.
 
     ``weight`` may also be a pair ``(U, V)`` standing for W = U @ V (U n x r,
