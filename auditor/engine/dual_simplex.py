@@ -43,13 +43,14 @@ class Basis:
     """A pool of rows in working coordinates and a basis of them (as many rows as the pool spans) with
     its inverse, the start of every token's dual simplex."""
 
-    def __init__(self, head: EngineHead, pool: np.ndarray, start: np.ndarray):
+    def __init__(self, head: EngineHead, pool: np.ndarray, start: np.ndarray, points: np.ndarray | None = None):
+        """``points``: the pool's lifted points when the caller has them (caratheodory.Pool.points)."""
         self.head = head
         self.pool = np.asarray(pool, dtype=np.int64)
         self.start = self.inverse = None
         if self.pool.size == 0:
             return
-        lifted = lifted_points(head, self.pool)
+        lifted = lifted_points(head, self.pool) if points is None else points
         self.scale = np.abs(lifted).max(axis=0)
         self.scale[self.scale == 0] = 1.0  # a coordinate zero on every pool row
         scaled = lifted / self.scale
@@ -119,9 +120,10 @@ class Basis:
             step = weights[leave] / column[leave]
             weights = weights - step * column
             weights[leave] = step
-            inverse[leave] /= column[leave]
-            others = np.arange(r) != leave
-            inverse[others] -= np.outer(column[others], inverse[leave])
+            pivot_row = inverse[leave] / column[leave]
+            # the rank-one update in place (row `leave` is set afterwards): no copies of the other rows
+            inverse = _rank_one(-1.0, pivot_row, column, a=inverse.T, overwrite_a=True).T  # the same memory
+            inverse[leave] = pivot_row
             basic[basis[leave]], basic[enter] = False, True
             basis[leave] = enter
             if (pivot + 1) % max(_REFRESH, r // 8) == 0:
@@ -137,6 +139,7 @@ class Basis:
         return self.pool[basis[keep]], weights[keep] / weights[keep].sum()
 
 
+_rank_one = scipy.linalg.blas.dger  # a + alpha x y^T, in place on a Fortran-ordered a (the inverse's transpose)
 _CONDITION = 1e-6  # reciprocal condition number (1-norm estimate) from which a square start is used as it is
 
 

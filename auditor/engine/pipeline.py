@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -140,10 +140,10 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     # (Not where a token may hold a witness and convex weights at once, decide_at_tolerance off: there the
     # whitened witnesses must go before any convex certificate, as in the whole audit.)
     few = len(todo) * _FEW_SHARE <= head.n_competitors and head.decide_at_tolerance
-    if few:
-        head.bfloat16_entries = head.whitened_entries = _NEVER
     clock = time.perf_counter()
-    left, threat = _screen(head, out, todo, progress)
+    # the screen sees the head with both passes off (the same rows and facts; its sizes say "never")
+    left, threat = _screen(replace(head, bfloat16_entries=_NEVER, whitened_entries=_NEVER) if few else head,
+                           out, todo, progress)
     timings["screen"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
@@ -151,8 +151,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     if few and len(left):
         routes = CentreRoutes(head)
         left, threat = _centre_first(routes, out, left, threat)
-        if len(left):
-            head.whitened_entries = options.whitened_entries
+        if len(left):  # the whitened witnesses where the head's own size calls for them
             left, threat = _whitened(head, out, left, threat, None)
     left, threat = _interior(head, out, left, threat)
     timings["interior"] = time.perf_counter() - clock

@@ -155,7 +155,8 @@ class CentreRoutes:
         """The basis of the centre on the centre pool ("centre") or on the spread pool ("spread"), built once."""
         if name not in self.bases:
             pool, support = self.centre
-            self.bases[name] = Basis(self.head, (pool if name == "centre" else self.spread).indices, support)
+            chosen = pool if name == "centre" else self.spread
+            self.bases[name] = Basis(self.head, chosen.indices, support, chosen.points)
         return self.bases[name]
 
     def direct(self, k: int) -> tuple[np.ndarray, np.ndarray, float, float] | None:
