@@ -17,10 +17,10 @@ def test_the_median_by_blocks_of_columns_is_the_whole_matrix_median(rng, monkeyp
     monkeypatch.setattr(engine_head, "_MEDIAN_COLUMNS", 2)
     for threads in (1, 3):  # one thread, and columns shared among three
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-        extremes = []
-        assert torch.equal(engine_head.median_row(W, competitor, extremes), whole)
-        assert torch.equal(extremes[0], W[competitor].max(dim=0).values.double())
-        assert torch.equal(extremes[1], W[competitor].min(dim=0).values.double())
+        median, largest, smallest = engine_head.column_statistics(W, competitor)
+        assert torch.equal(median, whole) and torch.equal(engine_head.median_row(W, competitor), whole)
+        assert torch.equal(largest, W[competitor].max(dim=0).values.double())
+        assert torch.equal(smallest, W[competitor].min(dim=0).values.double())
 
 
 @pytest.mark.parametrize("e", [-3, 5])

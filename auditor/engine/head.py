@@ -255,13 +255,18 @@ _MEDIAN_ENTRIES = 1 << 20  # entries of the block of columns one selection sorts
 _MEDIAN_COLUMNS = 64  # but no fewer columns (256 bytes of each float32 row; 32 MiB at 128k rows)
 
 
-def median_row(weight: torch.Tensor, competitor: torch.Tensor, extremes: list | None = None) -> torch.Tensor:
+def median_row(weight: torch.Tensor, competitor: torch.Tensor) -> torch.Tensor:
     """The coordinate-wise lower median of the competitor rows (float64): a centre no far row can
-    drag, which moves exactly with the rows when they are all translated or scaled. A few columns at a
-    time, each block copied contiguous for the selection, so that no copy of the whole head is made; on
-    the CPU the columns are shared among as many Python threads as torch has (numpy's selection releases
-    the GIL), each with its own two buffers. ``extremes``, when given, receives each column's largest and
-    smallest competitor entry (float64), read off the same blocks."""
+    drag, which moves exactly with the rows when they are all translated or scaled (column_statistics)."""
+    return column_statistics(weight, competitor)[0]
+
+
+def column_statistics(weight: torch.Tensor, competitor: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each column's lower median, largest and smallest entry over the competitor rows (float64). A few
+    columns at a time, each block copied contiguous for the selection, so that no copy of the whole head is
+    made; on the CPU the columns are shared among as many Python threads as torch has (numpy's selection
+    releases the GIL), each with its own two buffers."""
     rows = torch.nonzero(competitor).flatten()
     count, d = rows.numel(), weight.shape[1]
     threads = max(1, min(torch.get_num_threads(), d)) if weight.device.type == "cpu" else 1
@@ -291,11 +296,9 @@ def median_row(weight: torch.Tensor, competitor: torch.Tensor, extremes: list | 
                 done.result()
     else:
         select(0)
-    if extremes is not None:
-        extremes[:] = [largest, smallest]
     # a zero median as -0.0, whichever zero the selection returned: then w - m turns both zeros of a column
     # into +0.0, as the translation of W + v turns the entries equal to its median (x - x = +0.0)
-    return torch.where(median == 0, torch.full_like(median, -0.0), median)
+    return torch.where(median == 0, torch.full_like(median, -0.0), median), largest, smallest
 
 
 def _order_statistics(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -42,7 +42,7 @@ import torch
 from auditor._arrays import row_blocks
 from auditor.domain import Domain
 from auditor.engine.decisions import ARGMAXABLE, INCONCLUSIVE, Decisions
-from auditor.engine.head import EngineHead, RowFacts, median_row
+from auditor.engine.head import EngineHead, RowFacts, column_statistics
 from auditor.engine.rounding import gamma, safe_norm
 from auditor.errors import InputError
 
@@ -106,7 +106,6 @@ def _scaled(t: torch.Tensor, e: int, what: str, centre: torch.Tensor | None = No
     # factor as float32), else two exact steps
     smallest = -np.finfo(np.float32 if t.dtype == torch.float32 else np.float64).minexp
     factors = (math.ldexp(1.0, e),) if abs(e) < smallest else _halves(e)
-    inverse = tuple(1 / f for f in factors)
     tiny = float(torch.finfo(t.dtype).tiny)
     scaled = torch.empty_like(t) if e != 0 else t
     products = None
@@ -124,7 +123,7 @@ def _scaled(t: torch.Tensor, e: int, what: str, centre: torch.Tensor | None = No
             for f in factors[1:]:
                 part.mul_(f)
             if (not _surely_exact(block, part, e, tiny, magnitude[:block.shape[0]])
-                    and not torch.equal(_scaled_back(part, inverse), block)):
+                    and not torch.equal(times_power_of_two(part, -e), block)):
                 if t.dtype == torch.float32:  # float32's narrower range: float64 holds it exactly
                     del scaled
                     return _scaled(t.to(torch.float64), e, what, centre)
@@ -154,13 +153,6 @@ def _surely_exact(block: torch.Tensor, part: torch.Tensor, e: int, tiny: float, 
     return float(low) > tiny
 
 
-def _scaled_back(part: torch.Tensor, inverse: tuple[float, ...]) -> torch.Tensor:
-    back = part * inverse[0]
-    for f in inverse[1:]:
-        back.mul_(f)
-    return back
-
-
 def _lower_median(values: torch.Tensor) -> float:
     ordered = torch.sort(values).values
     return float(ordered[(ordered.numel() - 1) // 2])
@@ -187,11 +179,10 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
     # The rows less their coordinate-wise median m, an entry of each column: m moves exactly with a
     # common offset v of the rows (median(W + v) = median(W) + v when W + v is exact), so W and W + v
     # give the same real numbers w_i - m, rounded alike, and the engine sees bit-identical rows.
-    extremes: list = []
-    centre = median_row(weight, competitor, extremes)
+    centre, largest, smallest = column_statistics(weight, competitor)
     # Distances are measured on the head scaled by 2^p, p from the largest |w_ij - m_j|, so that no
     # square overflows or underflows; p, like everything below, moves exactly with the head's scale.
-    p = _exponent(_peak_offset(centre, *extremes))
+    p = _exponent(_peak_offset(centre, largest, smallest))
     facts = _row_facts(weight, competitor, p, centre)
     spread = float(torch.median(facts.distance[competitor]))
     translation = None
@@ -226,16 +217,16 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
         # The facts in the units of the normal form: its rows are 2^a (w_i - t), t = m or 0, and the pass
         # above measured 2^p (w_i - m) and 2^p w_i, so each fact is 2^(a - p) times one measured (an exact
         # step: the rows' scale lies within float64's range once 2^a W does). A sum is scaled before it is
-        # divided, as a sum of the scaled rows would be.
+        # divided, as a sum of the scaled rows would be. Nothing measured at 2^p lost a square to underflow:
+        # p >= -130 (the peak is below 2^129) and a nonzero float32 difference or entry is at least 2^-149,
+        # so every nonzero entry there is at least 2^-279 and its square a normal float64.
         ratio = a - p
         row_norm = facts.distance if translation is not None else facts.norm
         total = facts.offset_total if translation is not None else facts.total
         centre_of_rows = times_power_of_two(total, ratio) / int(competitor.sum())
-        measured = (facts.distance, row_norm)
         weight, products = _scaled(weight, a, "head", centre_of_rows)
         facts = RowFacts(norm=times_power_of_two(row_norm, ratio), distance=times_power_of_two(facts.distance, ratio),
                          centre=centre_of_rows, centre_logits=products)
-        _measure_small_again(facts, measured, weight, None if translation is not None else _scaled(centre, a, "head")[0])
     if bias is not None:
         bias, _ = _scaled(bias, c, "bias")
     if row_error is not None:
@@ -298,24 +289,9 @@ class _Measured:
     """What one float64 pass over the rows as given measures, on the head scaled by 2^p."""
 
     distance: torch.Tensor  # ||2^p (w_i - m)||
-    norm: torch.Tensor  # ||2^p w_i||
-    total: torch.Tensor  # sum of 2^p w_i over the competitors
-    offset_total: torch.Tensor  # sum of 2^p (w_i - m) over the competitors
-
-
-def _measure_small_again(facts: RowFacts, measured: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
-                         median: torch.Tensor | None) -> None:
-    """Distances and norms that were below _UNDERFLOW at the 2^p scale found again on the normal form's own
-    rows (``median``: theirs, None when they were translated), as build_engine_head finds them: a loss to
-    underflow there, scaled by 2^(a - p), would not be covered by underflow_floor. (For float32 rows, the
-    only ones measured at 2^p, every nonzero fact there exceeds 2^-279: only exact zeros come back.)"""
-    distance, row_norm = measured
-    for values, small, origin in ((facts.distance, distance, median), (facts.norm, row_norm, None)):
-        for i in torch.nonzero(small < _UNDERFLOW).flatten().tolist():
-            row = weight[i:i + 1].to(torch.float64)
-            if origin is not None:
-                row = row - origin
-            values[i] = safe_norm(row, dim=1)[0]
+    norm: torch.Tensor | None  # ||2^p w_i|| (float32 rows only, as the two sums)
+    total: torch.Tensor | None  # sum of 2^p w_i over the competitors
+    offset_total: torch.Tensor | None  # sum of 2^p (w_i - m) over the competitors
 
 
 def _cache_rows(d: int) -> int:
@@ -357,10 +333,9 @@ def _row_facts(weight: torch.Tensor, competitor: torch.Tensor, p: int, centre: t
             x.mul_(first).mul_(second)
             torch.linalg.vector_norm(x, dim=1, out=norm[s:s + step])
             total += x[chosen].sum(dim=0)
-    for values, origin in ((distance, centre), (norm, None)):
-        for i in torch.nonzero(values < _UNDERFLOW).flatten().tolist() if values is not None else ():
-            row = weight[i:i + 1].to(torch.float64)
-            values[i] = times_power_of_two(safe_norm(row - origin if origin is not None else row, dim=1)[0], p)
+    # a float64 head's distances (its spread) may have lost squares to underflow: those found again
+    for i in torch.nonzero(distance < _UNDERFLOW).flatten().tolist():
+        distance[i] = times_power_of_two(safe_norm(weight[i:i + 1].to(torch.float64) - centre, dim=1)[0], p)
     return _Measured(distance, norm, total, offset_total)
 
 

@@ -31,8 +31,8 @@ def _row_hashes(weight: torch.Tensor) -> np.ndarray:
     multipliers = (multipliers | 1).to(bits_dtype).to(weight.device)  # odd: every bit of every entry matters
     accumulate = torch.int64 if bits_dtype == torch.int64 else torch.int32
     out = torch.empty(weight.shape[0], dtype=accumulate, device=weight.device)
-    # through buffers that stay in a core's cache (1 MiB), reused block after block
-    step = max(16, (1 << 18) // max(weight.shape[1] * weight.element_size(), 1) * 4)
+    # through a buffer that stays in a core's cache (1 MiB), reused block after block
+    step = max(16, (1 << 20) // max(weight.shape[1] * weight.element_size(), 1))
     values = torch.empty(step, weight.shape[1], dtype=weight.dtype, device=weight.device)
     for s in range(0, weight.shape[0], step):
         block = weight[s:s + step]
