@@ -7,6 +7,7 @@ import torch
 
 import auditor.engine.head as engine_head
 import auditor.engine.normal_form as normal_form
+import auditor.engine.power_of_two as power_of_two
 
 
 def test_the_median_by_blocks_of_columns_is_the_whole_matrix_median(rng, monkeypatch):
@@ -25,19 +26,38 @@ def test_the_median_by_blocks_of_columns_is_the_whole_matrix_median(rng, monkeyp
 
 @pytest.mark.parametrize("e", [-3, 5])
 def test_scaling_by_blocks_is_exact_and_falls_back_to_float64_in_a_later_block(rng, monkeypatch, e):
-    monkeypatch.setattr(normal_form, "_BLOCK_ROWS", 4)
+    monkeypatch.setattr(power_of_two, "cache_rows", lambda d: 1)  # blocks of 4 rows
     W = torch.from_numpy(rng.standard_normal((13, 3)).astype(np.float32))
-    assert torch.equal(normal_form._scaled(W, e, "head")[0], W * 2.0**e)
+    assert torch.equal(power_of_two.scaled_exactly(W, e, "head")[0], W * 2.0**e)
     centre = torch.from_numpy(rng.standard_normal(3))
-    scaled, products = normal_form._scaled(W, e, "head", centre)  # the products with the centre on the way
+    scaled, products = power_of_two.scaled_exactly(W, e, "head", centre)  # the products with the centre on the way
     assert torch.equal(products, scaled.double() @ centre.float().double())
     W[9, 1] = 2.0**-148 if e < 0 else 2.0**126  # only float64 holds it scaled: the third block finds out
-    scaled, products = normal_form._scaled(W, e, "head", centre)
+    scaled, products = power_of_two.scaled_exactly(W, e, "head", centre)
     assert scaled.dtype == torch.float64
     assert torch.equal(products, scaled @ centre)  # the float64 rows' centre is the centre itself
     assert torch.equal(scaled, W.double() * 2.0**e)
     bias = torch.from_numpy(rng.standard_normal(13))
-    assert torch.equal(normal_form._scaled(bias, e, "bias")[0], bias * 2.0**e)  # one dimension
+    assert torch.equal(power_of_two.scaled_exactly(bias, e, "bias")[0], bias * 2.0**e)  # one dimension
+
+
+@pytest.mark.parametrize("e", [-60, -3, 5, 90])
+def test_the_centre_products_of_the_rows_as_given_are_those_of_the_scaled_rows(rng, monkeypatch, e):
+    """2^e (v_i . c) is bit for bit (2^e v_i) . c for float32 rows v and a float32 centre c, at scales the
+    normal form takes, with entries from the smallest subnormal to 2^120 and rows that nearly cancel; and the
+    smallest nonzero |v_ij| is found, zeros set apart, where e < 0 asks for it."""
+    monkeypatch.setattr(power_of_two, "cache_rows", lambda d: 1)
+    V = (rng.standard_normal((40, 9)) * np.exp2(rng.integers(-30, 30, size=(40, 9)))).astype(np.float32)
+    V[0, :3] = [2.0**-149, -(2.0**-140), 2.0**120]
+    V[3, 4] = 0.0
+    V[1] = V[2]
+    V[1, 0] = np.nextafter(V[2, 0], np.float32(np.inf))
+    centre = torch.from_numpy(rng.standard_normal(9) * np.exp2(rng.integers(-20, 20, size=9)))
+    c32 = centre.to(torch.float32).to(torch.float64)
+    products, smallest = power_of_two.centre_products(torch.from_numpy(V), centre, e)
+    rows = torch.from_numpy(V).double() * 2.0**e  # exact in float64
+    assert torch.equal(products, rows @ c32)
+    assert smallest == (2.0**-149 if e < 0 else 0.0)
 
 
 def _heads(rng):

@@ -12,7 +12,8 @@ import torch
 
 from auditor.domain import Unbounded
 from auditor.engine.head import build_engine_head
-from auditor.engine.normal_form import _scaled, normal_form
+from auditor.engine.normal_form import normal_form
+from auditor.engine.power_of_two import scaled_exactly
 from auditor.engine.ties import duplicate_groups
 from auditor.errors import InputError
 
@@ -20,8 +21,8 @@ from auditor.errors import InputError
 def _engine_head(W: torch.Tensor):
     representative = duplicate_groups(W, None)
     form = normal_form(W.clone(), None, Unbounded(), torch.as_tensor(representative == np.arange(len(W))))
-    head = build_engine_head(form.weight, None, representative, form.domain, 1e-10, form.row_error, None,
-                             form.median, form.facts)
+    head = build_engine_head(form.stored, None, representative, form.domain, 1e-10, form.row_error, None,
+                             form.median, form.facts, form.stored_exponent)  # as the engine builds it
     return form, head
 
 
@@ -78,13 +79,13 @@ def test_a_product_that_rounds_up_to_the_smallest_normal_is_not_taken_as_exact(d
     t = torch.tensor([[x, 1.0, -0.75], [0.5, x, 0.25]], dtype=dtype)
     assert float(t[0, 0]) == x
     if dtype == torch.float32:
-        scaled, _ = _scaled(t, e, "head")
+        scaled, _ = scaled_exactly(t, e, "head")
         assert scaled.dtype == torch.float64
         assert all(Fraction(float(s)) == Fraction(float(v)) * Fraction(2) ** e
                    for s, v in zip(scaled.flatten().tolist(), t.flatten().tolist()))
     else:
         with pytest.raises(InputError, match="orders of magnitude"):
-            _scaled(t, e, "head")
+            scaled_exactly(t, e, "head")
 
 
 def _float32_edges():
@@ -117,8 +118,13 @@ def test_float32_facts_at_the_edges_of_the_range_are_exact_bounds_and_those_the_
     representative = duplicate_groups(W, None)
     found = build_engine_head(form.weight, None, representative, form.domain, 1e-10, form.row_error, None,
                               form.median)
-    for field in ("row_norm", "spread_norm", "centre", "centre_logits"):
+    for field in ("row_norm", "spread_norm", "centre"):
         assert torch.equal(getattr(head, field), getattr(found, field)), field
+    # the rows' products with the head's witness centre, the centre rounded to the rows' storage: float32 rows
+    # as given with their power of two, or, where 2^a W leaves float32's range, its float64 copy
+    assert head.exponent == 0 or head.stored.dtype == torch.float32
+    assert torch.equal(head.witness_centre, head.centre.to(head.stored.dtype).double())
+    assert torch.equal(head.centre_logits, form.weight.double() @ head.witness_centre)
     median = form.median.double()
     for i in range(W.shape[0]):
         distance = _exact_square(form.weight[i].double(), median)
@@ -130,14 +136,14 @@ def test_float32_facts_at_the_edges_of_the_range_are_exact_bounds_and_those_the_
 def test_zeros_of_the_input_pass_the_quick_exactness_test_and_an_underflow_to_zero_does_not():
     """A translated head has a zero in every column: zeros scale exactly, so they do not send a block to the
     slow check; a nonzero entry that underflows to zero is a rounding, and fails it."""
-    from auditor.engine.normal_form import _surely_exact
+    from auditor.engine.power_of_two import surely_exact
 
     e = -3
     tiny = float(torch.finfo(torch.float32).tiny)
     clean = torch.tensor([[0.0, 1.5, -0.25], [0.0, 0.0, 3.0]], dtype=torch.float32)
-    assert _surely_exact(clean, clean * 2.0**e, e, tiny, torch.empty_like(clean))
+    assert surely_exact(clean, clean * 2.0**e, e, tiny, torch.empty_like(clean))
     lost = clean.clone()
     lost[1, 1] = math.ldexp(1.0, -148)  # 2^-151 is below float32's smallest subnormal: rounds to 0
     scaled = lost * 2.0**e
     assert float(scaled[1, 1]) == 0.0
-    assert not _surely_exact(lost, scaled, e, tiny, torch.empty_like(lost))
+    assert not surely_exact(lost, scaled, e, tiny, torch.empty_like(lost))

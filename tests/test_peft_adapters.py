@@ -329,6 +329,50 @@ def test_a_base_model_in_the_hugging_face_cache_is_read_from_it_and_never_fetche
                for note in head.notes), head.notes
 
 
+def _cache_snapshot(cache: Path, repo: str, commit: str, folder: Path) -> Path:
+    """``folder``'s files as the cached snapshot of ``repo`` at ``commit`` (main pointing at it)."""
+    snapshot = cache / ("models--" + repo.replace("/", "--")) / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(commit)
+    for file in folder.iterdir():
+        (snapshot / file.name).write_bytes(file.read_bytes())
+    return snapshot
+
+
+def test_an_adapter_given_as_a_hub_id_audits_as_its_folder_and_with_base(tmp_path, monkeypatch, capsys):
+    """An adapter repository on the Hub (adapter_config.json, adapter_model.safetensors, no model checkpoint),
+    here found in the cache: the same head, verdicts and findings as its local folder, over the base it names
+    or over --base; a model's id with --base is still refused."""
+    pytest.importorskip("huggingface_hub")
+    import huggingface_hub.constants
+
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    base, rows = _plain_base(tmp_path / "base")
+    copy = rows.copy()
+    copy[-3:] = rows[:-3].mean(axis=0)  # three rows the adapter set to the mean: unargmaxable
+    adapter = _hand_adapter(tmp_path / "adapter", {"lm_head.weight": copy}, base)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    _cache_snapshot(cache, "org/adapter", commit, adapter)
+    head = load_head("org/adapter")
+    assert head.path == Path(f"org/adapter@{commit}") and np.array_equal(_numpy(head.weight), copy)
+    assert any(f"applied over the base model {base}: the head is the adapter's own copy of lm_head (40 rows)"
+               in note for note in head.notes), head.notes
+    code, local, _ = _run(capsys, str(adapter))
+    hub_code, report, err = _run(capsys, "org/adapter")
+    assert (hub_code, err) == (code, "") and code == 1
+    assert report["findings"] == local["findings"] and report["summary"] == local["summary"]
+    assert {f["id"] for f in report["findings"]} >= {37, 38, 39}
+    other, _ = _plain_base(tmp_path / "other")
+    head = load_head("org/adapter", base=other)  # --base over the adapter's own base_model_name_or_path
+    assert np.array_equal(_numpy(head.weight), copy)
+    _cache_snapshot(cache, "org/model", commit, base)
+    with pytest.raises(InputError, match="is not a PEFT adapter folder"):
+        load_head("org/model", base=other)
+
+
 def _missing_base_line(capsys, adapter) -> str:
     return _one_error_line(*_run(capsys, adapter)[::2])
 

@@ -128,6 +128,39 @@ def test_the_batched_elimination_takes_the_steps_of_the_single_one(rng, m, D):
         assert np.allclose(batched[j].numpy(), single, rtol=0, atol=1e-12)
 
 
+def test_the_elimination_keeps_the_combination_through_zero_weights_and_tied_ratios(rng):
+    """Weights already at zero (a 0 / 0 in the ratio test where a null vector is 0 there too) and points
+    repeated with equal weights (ratios that tie exactly): the weights stay non-negative, on at most D
+    points, and reproduce the same combination, with the single elimination and the batched one."""
+    from auditor.engine.caratheodory import _eliminate_batch, eliminate
+
+    m, D = 120, 25
+    base = np.hstack([rng.integers(-3, 4, size=(m // 2, D - 1)).astype(np.float64), np.ones((m // 2, 1))])
+    points = np.vstack([base, base])  # every point twice
+    alpha = np.tile(rng.integers(0, 4, size=m // 2).astype(np.float64), 2)  # a quarter at zero, pairs equal
+    alpha /= alpha.sum()
+    batched, failed = _eliminate_batch(torch.from_numpy(points[None]), torch.from_numpy(alpha[None]))
+    assert not failed.any()
+    for reduced in (eliminate(points, alpha), batched[0].numpy()):
+        assert np.all(reduced >= 0) and np.count_nonzero(reduced) <= D
+        assert np.abs(reduced @ points - alpha @ points).max() < 1e-12
+
+
+@pytest.mark.parametrize("zero", [0.0, -0.0])
+def test_a_null_vector_entry_that_is_only_rounding_is_no_pivot(zero):
+    """The first null vector of these points has 2.2e-17 where its entry is 0 in exact arithmetic, at a point of
+    weight 0 (given as 0.0 or as -0.0): dropped as a pivot, it would make every later correction divide by
+    rounding and move the combination by O(1)."""
+    from auditor.engine.caratheodory import eliminate
+
+    points = np.array([[-1.0, 0, 1], [-3, -3, 1], [3, 1, 1], [1, -3, 1], [2, -3, 1], [3, 1, 1]])
+    alpha = np.array([1 / 6, 1 / 3, zero, 1 / 6, 1 / 6, 1 / 6])
+    reduced = eliminate(points, alpha)
+    assert np.all(reduced >= 0) and np.count_nonzero(reduced) <= 3
+    assert abs(reduced.sum() - 1) < 1e-15
+    assert np.abs(reduced @ points - alpha @ points).max() < 1e-15
+
+
 def test_a_second_mean_initialised_row_is_reduced_from_the_first_ones_pool(rng):
     from auditor.engine.caratheodory import from_pool
     from auditor.engine.certify import check_convex

@@ -181,12 +181,29 @@ def _maximum_entropy(points: np.ndarray, target: np.ndarray, iterations: int = 6
 
     The Hessian (m D^2, the cost of a step) is formed again only when the previous step with an older one
     did not cut the gradient to a quarter (a chord step is O(m D)); ``iterations`` bounds the Hessians, and
-    four times as many steps are taken at most. The Hessian and its factors are torch's (float64, on the
-    CPU's audit threads: numpy's BLAS runs on one during an audit, auditor/_threads.py); the O(m D) steps
-    are numpy's, whose small operations cost less than torch's."""
-    scale = float(np.abs(points - target).max()) or 1.0
-    offsets = np.ascontiguousarray((points - target) / scale)
+    four times as many steps are taken at most. The Hessian only picks the direction of a step: the line
+    search and the gradient, which the weights must bring to 0, stay in float64. So it is first formed in
+    float32 (half the time of the product), for at most _FLOAT32_HESSIANS Hessians; where that does not
+    converge, or a step fails, Newton's method starts again from theta = 0 with float64 Hessians (float32
+    directions can carry theta where the gradient stalls, on points nearly collinear in some coordinates,
+    and a float32 Hessian of a singular one may be indefinite). The Hessian and
+    its factors are torch's (on the CPU's audit threads: numpy's BLAS runs on one during an audit,
+    auditor/_threads.py); the O(m D) steps are numpy's, whose small operations cost less than torch's."""
+    offsets = np.subtract(points, target)  # one m x D array, scaled in place: fresh arrays cost page faults
+    scale = max(float(offsets.max()), -float(offsets.min())) or 1.0
+    offsets /= scale
     shared = torch.from_numpy(offsets)  # the same numbers, for the Hessian
+    found = _entropy_newton(offsets, shared.to(torch.float32), min(iterations, _FLOAT32_HESSIANS))
+    return found if found is not None else _entropy_newton(offsets, shared, iterations)
+
+
+_FLOAT32_HESSIANS = 8  # the float32 attempt's Hessians: a pool around the centre of a real head takes 3
+
+
+def _entropy_newton(offsets: np.ndarray, rows: torch.Tensor, iterations: int) -> np.ndarray | None:
+    """_maximum_entropy's Newton's method from theta = 0, its Hessians formed on ``rows`` (the offsets in float32
+    or float64)."""
+    narrow = rows.dtype == torch.float32
     theta = np.zeros(offsets.shape[1])
     identity = torch.eye(offsets.shape[1], dtype=torch.float64)
 
@@ -207,12 +224,14 @@ def _maximum_entropy(points: np.ndarray, target: np.ndarray, iterations: int = 6
         if factor is None or size > previous / 4:  # a Newton step: a fresh Hessian
             if hessians == iterations:
                 break
-            centred = shared - torch.from_numpy(gradient)
-            hessian = (centred * torch.from_numpy(pi)[:, None]).T @ centred
+            centred = rows - torch.from_numpy(gradient).to(rows.dtype)
+            hessian = ((centred * torch.from_numpy(pi).to(rows.dtype)[:, None]).T @ centred).to(torch.float64)
             # a tiny ridge: rows of a normalised head span only a subspace
             factor, info = torch.linalg.cholesky_ex(hessian + 1e-14 * float(hessian.trace()) * identity)
             hessians += 1
             if int(info) != 0:
+                if narrow:  # the float32 rounding may leave a singular Hessian indefinite
+                    return None
                 factor = None
         previous = size
         step = (torch.cholesky_solve(torch.from_numpy(gradient)[:, None], factor)[:, 0].numpy()
@@ -238,6 +257,10 @@ def _maximum_entropy(points: np.ndarray, target: np.ndarray, iterations: int = 6
             return None
         theta = theta - eta * step
         pi, current = trial_pi, trial
+    return _converged(pi, offsets)
+
+
+def _converged(pi: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
     return pi if np.abs(pi @ offsets).max() <= 1e-12 else None
 
 
@@ -274,12 +297,13 @@ def _null_vectors(points: np.ndarray) -> np.ndarray:
     permutation = np.arange(m)
     for i, p in enumerate(pivots.numpy() - 1):  # LAPACK's row swaps, in order
         permutation[i], permutation[p] = permutation[p], permutation[i]
-    lower = factors.tril(-1)
-    lower.diagonal().fill_(1.0)
-    top = -torch.linalg.solve_triangular(lower[:dim].T, lower[dim:].T, upper=True, unitriangular=True)
-    basis = torch.cat([top, torch.eye(m - dim, dtype=torch.float64)]).numpy()  # null vectors of L^T
-    null = np.empty((m - dim, m))
-    null[:, permutation] = basis.T  # coordinate j of w is that of the point permutation[j]
+    # L1^T is the strict upper triangle of factors[:dim]^T with a unit diagonal (U fills the rest, unread);
+    # L2 = factors[dim:] whole
+    top = torch.linalg.solve_triangular(factors[:dim].T, factors[dim:].T, upper=True, unitriangular=True)
+    # the null vectors of L^T are the columns of [-L1^-T L2^T; I]; coordinate j of w is that of point permutation[j]
+    null = np.zeros((m - dim, m))
+    null[:, permutation[:dim]] = -top.T.numpy()
+    null[np.arange(m - dim), permutation[dim:]] = 1.0
     return null
 
 
@@ -294,7 +318,7 @@ def eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     x solves the lower-triangular system T x = u[t] with T[l, i] = V[i][t_l]. The corrections by the
     vectors of earlier panels are applied to a whole panel at once.
     """
-    alpha = alpha.copy()
+    alpha = alpha + 0.0  # a copy, with any -0.0 made +0.0 (the ratio test below divides by the weights)
     m, dim = points.shape
     if m <= dim:
         return alpha
@@ -307,7 +331,7 @@ def eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     triangle = np.zeros((null.shape[0], null.shape[0]))
     dropped = np.zeros(null.shape[0], dtype=np.int64)  # the first j entries: the coordinates dropped so far
     j = 0
-    ratios = np.empty(m)
+    reach = np.empty(m)
     for start in range(0, null.shape[0], _PANEL):
         # The corrections by every vector used before this panel, for the whole panel at once (BLAS-3).
         panel = null[start:start + _PANEL].copy()
@@ -322,24 +346,52 @@ def eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
                 x, _ = _triangular_solve(triangle[first:j, first:j].T, u[dropped[first:j]], trans=1, lower=0)
                 u -= x @ used[first:j]
             u[dropped[:j]] = 0.0  # zero on the dropped coordinates: no dropped row comes back
-            top = u.max()
-            if top <= 0:
-                if not u.any():
-                    continue
+            out = _first_to_reach_zero(alpha, u, reach)
+            if out < 0:
                 u = -u
-            ratios.fill(np.inf)
-            np.divide(alpha, u, out=ratios, where=u > 0)
-            out = int(np.argmin(ratios))
-            alpha -= ratios[out] * u  # one weight reaches zero; the combination does not move
-            alpha[out] = 0.0
+                out = _first_to_reach_zero(alpha, u, reach)
+                if out < 0:  # u is 0
+                    continue
+            alpha -= (alpha[out] / u[out]) * u  # one weight reaches zero; the combination does not move
+            alpha[out] = np.inf  # dropped: held at +inf until the end (see _first_to_reach_zero), u is 0 there
             np.maximum(alpha, 0.0, out=alpha)  # rounding may leave -1e-17 where the ratios tied
             used[j] = u
             dropped[j] = out
             triangle[j, :j + 1] = used[:j + 1, out]
             j += 1
+    alpha[dropped[:j]] = 0.0
     return alpha
 
 
+def _first_to_reach_zero(alpha: np.ndarray, u: np.ndarray, reach: np.ndarray) -> int:
+    """argmin of alpha_i / u_i over u_i > 0 (alpha >= 0), the first weight that alpha - t u brings to zero as t
+    grows; -1 when no u_i is positive. Found as argmax of u_i / alpha_i in one pass, with no mask: a weight at 0
+    where u_i > 0 gives +inf, a step of 0, as it should (the largest such u_i is taken). An entry of u that is
+    only rounding at a weight that is only rounding is no pivot. The caller holds its dropped coordinates at +inf (so u_i / alpha_i = 0 there); a 0 / 0 elsewhere
+    (u_i = 0 where the weight is 0) gives NaN, no candidate. ``reach`` is scratch."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.divide(u, alpha, out=reach)
+    out = int(np.argmax(reach))
+    value = reach[out]
+    if value != value:  # a 0 / 0: u_i = 0 at a weight at 0, no candidate
+        reach[np.isnan(reach)] = 0.0
+        out = int(np.argmax(reach))
+        value = reach[out]
+    if value == np.inf:  # weights at 0 with u_i > 0: a step of 0 whichever is dropped; the largest u_i is
+        zero = np.flatnonzero(reach == np.inf)  # the pivot the later corrections divide by
+        out = int(zero[np.argmax(u[zero])])
+    if not value > 0:
+        return -1
+    if u[out] > _NEGLIGIBLE * np.abs(u).max() or alpha[out] > _NEGLIGIBLE:
+        return out
+    # u_i only rounding where the weight is only rounding too (0, or what a tie left): such entries are set to
+    # 0 (their weights do not move) and the test is made again on the rest
+    u[(u <= _NEGLIGIBLE * np.abs(u).max()) & (alpha <= _NEGLIGIBLE)] = 0.0
+    return _first_to_reach_zero(alpha, u, reach)
+
+
+# a null vector's entry this far below its largest is rounding where the weight is below it too (weights sum to 1)
+_NEGLIGIBLE = 2.0**-30
 _triangular_solve = scipy.linalg.lapack.dtrtrs  # what solve_triangular calls, without its checks' overhead
 
 
@@ -435,7 +487,9 @@ def _eliminate_batch(points: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.T
                 u = u - (x.mT @ null[:, start:j])[:, 0]
             u = u.masked_fill(~alive, 0.0)
             u = torch.where((u.amax(dim=1) <= 0)[:, None], -u, u)
-            positive = alive & (u > 0)
+            # as in eliminate: an entry of u far below its largest, where the weight is only rounding, is no pivot
+            rounding = (alpha <= _NEGLIGIBLE) & (u <= _NEGLIGIBLE * u.abs().amax(dim=1, keepdim=True))
+            positive = alive & (u > 0) & ~rounding
             ratios = torch.where(positive, alpha / torch.where(positive, u, torch.ones_like(u)), torch.inf)
             step, out = ratios.min(dim=1)
             stuck = ~torch.isfinite(step)

@@ -8,6 +8,7 @@ certificates need are formed by blocks of rows (``logits``, ``combine``).
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ import torch
 
 from auditor._arrays import row_blocks
 from auditor.domain import Domain
+from auditor.engine.power_of_two import scaled_exactly
 from auditor.engine.rounding import UNIT_ROUNDOFF_32, gamma, logit_error_factor, safe_norm, underflow_floor
 
 # The head sizes (n d) from which the screen runs the bfloat16 pass and tries whitened witnesses: below
@@ -33,7 +35,7 @@ class EngineHead:
     other copies, added to logits so that the copies never count as rivals.
     """
 
-    weight: torch.Tensor  # n x d, float32 when that is exact, else float64
+    stored: torch.Tensor  # n x d, float32 when that is exact, else float64: the rows are 2^exponent times these
     bias: torch.Tensor | None  # n, float64
     representative: np.ndarray  # n, smallest id of each row's duplicate group
     competitor: torch.Tensor  # n, bool
@@ -61,6 +63,24 @@ class EngineHead:
     # the sizes (n d) from which the screen runs the bfloat16 pass and tries whitened witnesses (EngineOptions)
     bfloat16_entries: int = field(default_factory=lambda: BFLOAT16_ENTRIES)
     whitened_entries: int = field(default_factory=lambda: WHITENED_ENTRIES)
+    # the rows are 2^exponent ``stored``: a float32 head kept as it is in a few tokens' audit (the normal form's
+    # carry), 2^exponent ``stored`` a float32 array; the passes such an audit makes take the power of two on
+    # their side (rows64, blocks, the screen's products), and ``weight`` makes the scaled copy for any other,
+    # once, shared with the copies dataclasses.replace makes of this head
+    exponent: int = 0
+    _scaled_copy: list = field(default_factory=list, repr=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The rows (n x d): ``stored``, or with an exponent its scaled copy, made on first use."""
+        if self.exponent == 0:
+            return self.stored
+        made = [rows for source, exponent, rows in self._scaled_copy if source is self.stored and exponent == self.exponent]
+        if made:
+            return made[0]
+        rows, _ = scaled_exactly(self.stored, self.exponent, "head")
+        self._scaled_copy.append((self.stored, self.exponent, rows))
+        return rows
 
     @property
     def max_row_error(self) -> float:
@@ -72,15 +92,20 @@ class EngineHead:
 
     @property
     def n(self) -> int:
-        return self.weight.shape[0]
+        return self.stored.shape[0]
 
     @property
     def d(self) -> int:
-        return self.weight.shape[1]
+        return self.stored.shape[1]
 
     @property
     def device(self) -> torch.device:
-        return self.weight.device
+        return self.stored.device
+
+    @property
+    def power(self) -> float:
+        """2^exponent: a float64 (|exponent| stays far inside its range), exact times any float32 entry."""
+        return math.ldexp(1.0, self.exponent)
 
     @property
     def error_factor(self) -> float:
@@ -154,9 +179,11 @@ class EngineHead:
         return self._precision
 
     def rows64(self, ids) -> torch.Tensor:
-        """float64 copies of some rows on the device (exact: the storage converts exactly)."""
+        """float64 copies of some rows on the device (exact: the storage converts exactly, and a float32 entry
+        times 2^exponent is a float64 number)."""
         index = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
-        return self.weight.index_select(0, index.reshape(-1)).to(torch.float64)
+        rows = self.stored.index_select(0, index.reshape(-1)).to(torch.float64)
+        return rows.mul_(self.power) if self.exponent else rows
 
     def rows(self, ids) -> np.ndarray:
         """float64 numpy copies of some rows (for the small per-token problems)."""
@@ -164,12 +191,15 @@ class EngineHead:
 
     def blocks(self):
         """(start, stop, float64 rows) over the head, a few thousand rows at a time."""
-        step = self.n if self.weight.dtype == torch.float64 else _BLOCK_ROWS  # a float64 head is its own copy
-        yield from row_blocks(self.weight, step)
+        if self.stored.dtype == torch.float64:  # a float64 head is its own copy (and has no exponent)
+            yield from row_blocks(self.weight, self.n)
+            return
+        for s, e, rows in row_blocks(self.stored, _BLOCK_ROWS):
+            yield s, e, rows.mul_(self.power) if self.exponent else rows
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         """z W^T in float64 (B x n for B x d points z), by blocks of rows."""
-        if self.weight.dtype == torch.float64:
+        if self.stored.dtype == torch.float64:
             return z @ self.weight.T
         out = torch.empty(z.shape[0], self.n, dtype=torch.float64, device=self.device)
         for s, e, rows in self.blocks():
@@ -201,7 +231,7 @@ class EngineHead:
 
     def combine(self, alpha: torch.Tensor) -> torch.Tensor:
         """alpha W in float64 (B x d for B x n weights), by blocks of rows."""
-        if self.weight.dtype == torch.float64:
+        if self.stored.dtype == torch.float64:
             return alpha @ self.weight
         total = torch.zeros(alpha.shape[0], self.d, dtype=torch.float64, device=self.device)
         for s, e, rows in self.blocks():
@@ -215,8 +245,8 @@ class EngineHead:
         fraction of the spread of the rows, whatever offset they share.
         """
         total = torch.zeros(self.d, dtype=torch.float64, device=self.device)
-        for s, e, rows in row_blocks(self.weight, _BLOCK_ROWS):
-            total += alpha[s:e] @ (rows - w)
+        for s, e, rows in row_blocks(self.stored, _BLOCK_ROWS):  # blocks of a float64 head too: rows - w is a copy
+            total += alpha[s:e] @ ((rows.mul_(self.power) if self.exponent else rows) - w)
         return total
 
     def biases(self, ids) -> np.ndarray:
@@ -365,10 +395,13 @@ class RowFacts:
 def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, representative: np.ndarray,
                       domain: Domain, residual_tol: float, row_error: torch.Tensor | None = None,
                       bias_error: torch.Tensor | None = None, median: torch.Tensor | None = None,
-                      facts: RowFacts | None = None) -> EngineHead:
+                      facts: RowFacts | None = None, exponent: int = 0) -> EngineHead:
     """The engine's head; ``median`` is median_row(weight, competitors) and ``facts`` the rows' facts when the
     caller has them already (the normal form, which moved the median it found exactly and measured the rows
-    on its own passes)."""
+    on its own passes). With an ``exponent`` (float32 rows only, with their facts) the head's rows are
+    2^exponent ``weight``."""
+    if exponent and (facts is None or facts.centre_logits is None or weight.dtype != torch.float32):
+        raise ValueError("an exponent needs float32 rows and the scaled rows' facts")
     device = weight.device
     competitor_np = representative == np.arange(representative.shape[0])
     competitor = torch.as_tensor(competitor_np, device=device)
@@ -389,7 +422,7 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
         for s, e, rows in row_blocks(weight, _BLOCK_ROWS):
             centre_logits[s:e] = rows @ witness_centre
     return EngineHead(
-        weight=weight, bias=bias, representative=representative, competitor=competitor, row_mask=row_mask,
+        stored=weight, exponent=exponent, bias=bias, representative=representative, competitor=competitor, row_mask=row_mask,
         row_norm=row_norm, max_row_norm=float(row_norm[competitor].max()), spread_norm=spread_norm,
         typical_spread=_low_quantile(distance[competitor]),  # of the rows that are not at the median itself
         max_spread=float(spread_norm[competitor].max()),

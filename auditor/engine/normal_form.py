@@ -41,10 +41,10 @@ import torch
 
 from auditor._arrays import row_blocks
 from auditor.domain import Domain
-from auditor.engine.decisions import ARGMAXABLE, INCONCLUSIVE, Decisions
+from auditor.engine.decisions import INCONCLUSIVE, Decisions
 from auditor.engine.head import EngineHead, RowFacts, column_statistics
+from auditor.engine.power_of_two import cache_rows, centre_products, halves, power, scaled_exactly, times_power_of_two
 from auditor.engine.rounding import gamma, safe_norm
-from auditor.errors import InputError
 
 _OFFSET_RATIO = 64.0  # translate when the median row is this many typical spreads from the origin
 _BLOCK_ROWS = 2048
@@ -53,7 +53,7 @@ _FIRST_ROWS = 64
 
 @dataclass
 class NormalForm:
-    weight: torch.Tensor  # 2^a (W - translation), float32 when that is exact, else float64
+    stored: torch.Tensor  # the rows 2^a (W - translation) are 2^stored_exponent times these
     bias: torch.Tensor | None  # 2^c (b - b_m), None when b is constant
     domain: Domain  # with radius 2^(c - a) r
     row_error: torch.Tensor | None
@@ -67,90 +67,24 @@ class NormalForm:
     # per-row facts of ``weight`` (float64), found on the pass that found the spread: ||w_i||, ||w_i - median||,
     # the mean of the competitor rows and the rows' products with it rounded to the storage (see head.RowFacts)
     facts: RowFacts | None = None
+    # a (float32 rows, kept as given or as translated, the power of two taken where they are used:
+    # EngineHead.exponent), or 0 (the rows scaled already: float64 ones)
+    stored_exponent: int = 0
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The rows 2^a (W - translation), float32 when that is exact, else float64: a scaled copy of ``stored``
+        when it has an exponent (then always float32)."""
+        return scaled_exactly(self.stored, self.stored_exponent, "head")[0] if self.stored_exponent else self.stored
 
     def given_length(self, length: float) -> float:
         """A distance between rows of the normal form, in the units of the rows as given."""
-        return length * _power(-self.weight_exponent)
-
-
-def _halves(e: int) -> tuple[float, float]:
-    """2^(e // 2) and 2^(e - e // 2): their product is 2^e, which alone may not be a float64 (2^1074)."""
-    return math.ldexp(1.0, e // 2), math.ldexp(1.0, e - e // 2)
-
-
-def _power(e: int) -> float:
-    first, second = _halves(e)
-    return first * second
-
-
-def times_power_of_two(x, e: int):
-    """x 2^e in two exact steps (a number, a numpy array or a tensor)."""
-    first, second = _halves(e)
-    return x * first * second
+        return length * power(-self.weight_exponent)
 
 
 def _exponent(peak: float) -> int:
     """e such that peak * 2^e lies in [1/2, 1); 0 for a zero peak."""
     return 0 if peak == 0.0 else -math.frexp(peak)[1]
-
-
-def _scaled(t: torch.Tensor, e: int, what: str, centre: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(t 2^e checked exact (no entry under- or overflowed) by scaling back, and with ``centre`` (float64)
-    the float64 products of the scaled rows with ``centre`` rounded to their dtype, formed while each block
-    is at hand). By blocks of rows, so that the one copy made is the result (a float32 head whose range needs
-    float64 is converted first)."""
-    if e == 0 and centre is None:
-        return t, None
-    # one factor 2^e where it and 2^-e are normal numbers of the dtype (a float32 tensor takes a Python
-    # factor as float32), else two exact steps
-    smallest = -np.finfo(np.float32 if t.dtype == torch.float32 else np.float64).minexp
-    factors = (math.ldexp(1.0, e),) if abs(e) < smallest else _halves(e)
-    tiny = float(torch.finfo(t.dtype).tiny)
-    scaled = torch.empty_like(t) if e != 0 else t
-    products = None
-    if centre is not None:
-        witness = centre.to(t.dtype).to(torch.float64)
-        products = torch.empty(t.shape[0], dtype=torch.float64, device=t.device)
-    step = 4 * _cache_rows(t.shape[1] if t.dim() > 1 else 1)  # float32 rows: about 512 at d = 1024
-    wide = torch.empty((step,) + tuple(t.shape[1:]), dtype=torch.float64, device=t.device) if centre is not None else None
-    magnitude = torch.empty((step,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    for s in range(0, t.shape[0], step):
-        block = t[s:s + step]
-        part = scaled[s:s + step]
-        if e != 0:
-            torch.mul(block, factors[0], out=part)
-            for f in factors[1:]:
-                part.mul_(f)
-            if (not _surely_exact(block, part, e, tiny, magnitude[:block.shape[0]])
-                    and not torch.equal(times_power_of_two(part, -e), block)):
-                if t.dtype == torch.float32:  # float32's narrower range: float64 holds it exactly
-                    del scaled
-                    return _scaled(t.to(torch.float64), e, what, centre)
-                raise InputError(f"the {what} spans more orders of magnitude than float64 can hold exactly "
-                                 f"(largest entry {float(t.abs().max()):.3g}); rescale it")
-        if products is not None:
-            x = wide[:block.shape[0]]
-            x.copy_(part)
-            torch.mv(x, witness, out=products[s:s + step])
-    return scaled, products
-
-
-def _surely_exact(block: torch.Tensor, part: torch.Tensor, e: int, tiny: float, scratch: torch.Tensor) -> bool:
-    """Whether ``part`` = ``block`` 2^e was exact for every entry, read off the results: a product with 2^e
-    rounds only when it overflows or lands below the normal range (for e < 0, where the input's low bits
-    may fall off); a finite result above ``tiny`` throughout proves it, one pass (the exact product then
-    lay above tiny: rounding is monotone; one that lay a hair below may round up to tiny itself). False:
-    the slow check decides."""
-    low, high = torch.aminmax(torch.abs(part, out=scratch))
-    if not bool(torch.isfinite(high)):
-        return False
-    if e > 0 or float(low) > tiny:
-        return True
-    if float(low) == 0:  # the input's zeros scale exactly (a translated head has one in each column): the
-        # rest decide; a zero from a nonzero input (an underflow) stays and fails the test
-        low = scratch.masked_fill_(block == 0, torch.inf).amin()
-    return float(low) > tiny
 
 
 def _lower_median(values: torch.Tensor) -> float:
@@ -159,8 +93,12 @@ def _lower_median(values: torch.Tensor) -> float:
 
 
 def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain, competitor: torch.Tensor,
-                row_error: torch.Tensor | None = None, bias_error: torch.Tensor | None = None) -> NormalForm:
-    """Rewrite the head (``competitor`` marks one row per group of exact duplicates) in the normal form."""
+                row_error: torch.Tensor | None = None, bias_error: torch.Tensor | None = None,
+                carry: bool = False) -> NormalForm:
+    """Rewrite the head (``competitor`` marks one row per group of exact duplicates) in the normal form.
+    ``carry``: a float32 head's rows as given may stay as they are, their power of two carried
+    (NormalForm.stored and stored_exponent), where the audit reads few of them (a few tokens' audit);
+    otherwise, and where 2^a W may not be a float32 array, the scaled copy is made here."""
     if bias is not None:
         reference = _lower_median(bias[competitor])
         relative = bias - reference
@@ -183,7 +121,10 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
     # Distances are measured on the head scaled by 2^p, p from the largest |w_ij - m_j|, so that no
     # square overflows or underflows; p, like everything below, moves exactly with the head's scale.
     p = _exponent(_peak_offset(centre, largest, smallest))
-    facts = _row_facts(weight, competitor, p, centre)
+    # the sums of the offsets w_i - m serve only rows translated in float32, which the first rows rule out
+    # for most heads (their differences are not float32 values)
+    facts = _row_facts(weight, competitor, p, centre,
+                       offsets=weight.dtype == torch.float32 and _exact_differences(weight[:_FIRST_ROWS], centre))
     spread = float(torch.median(facts.distance[competitor]))
     translation = None
     # A float64 head is always translated; a float32 head when its differences are float32 values (no
@@ -211,8 +152,8 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
         # rows of float64 (a float64 head, or a float32 head translated through float64): entries the normal
         # form holds exactly may be subnormal, and rounded, at the 2^p scale, so the engine head measures
         # them on the normal form's own rows (build_engine_head)
-        weight, _ = _scaled(weight, a, "head")
-        facts = None
+        weight, _ = scaled_exactly(weight, a, "head")
+        facts, stored_exponent = None, 0
     else:
         # The facts in the units of the normal form: its rows are 2^a (w_i - t), t = m or 0, and the pass
         # above measured 2^p (w_i - m) and 2^p w_i, so each fact is 2^(a - p) times one measured (an exact
@@ -224,17 +165,31 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
         row_norm = facts.distance if translation is not None else facts.norm
         total = facts.offset_total if translation is not None else facts.total
         centre_of_rows = times_power_of_two(total, ratio) / int(competitor.sum())
-        weight, products = _scaled(weight, a, "head", centre_of_rows)
+        # With ``carry`` the rows as given stay as they are and the engine head takes 2^a where it reads them:
+        # no scaled copy, where 2^a W is surely a float32 array (no entry overflows: the largest |w_ij|, from
+        # the column extremes; for a < 0 none lands below the normal range: the smallest nonzero one, measured
+        # on the products' pass). Otherwise the scaled copy, as without. (W and 2^s W may be decided apart
+        # where an entry of 2^a W is subnormal; both give the same numbers.) Translated rows are a copy
+        # already, which the scaled copy replaces: carried, a stage that reads the scaled rows would hold both.
+        carried = False
+        largest_entry = float(torch.maximum(largest.abs(), smallest.abs()).max())
+        if carry and translation is None and math.ldexp(largest_entry, a) <= float(torch.finfo(torch.float32).max):
+            products, least = centre_products(weight, centre_of_rows, a)
+            carried = a >= 0 or math.ldexp(least, a) >= float(torch.finfo(torch.float32).tiny)
+        if not carried:
+            weight, products = scaled_exactly(weight, a, "head", centre_of_rows)
+        stored_exponent = a if carried else 0
         facts = RowFacts(norm=times_power_of_two(row_norm, ratio), distance=times_power_of_two(facts.distance, ratio),
                          centre=centre_of_rows, centre_logits=products)
     if bias is not None:
-        bias, _ = _scaled(bias, c, "bias")
+        bias, _ = scaled_exactly(bias, c, "bias")
     if row_error is not None:
-        row_error = row_error * _power(a)
+        row_error = row_error * power(a)
     if bias_error is not None:
-        bias_error = bias_error * _power(c)
-    median = torch.full_like(centre, -0.0) if translation is not None else _scaled(centre, a, "head")[0]
-    return NormalForm(weight, bias, domain.scaled(c - a), row_error, bias_error, a, c, translation, median, facts)
+        bias_error = bias_error * power(c)
+    median = torch.full_like(centre, -0.0) if translation is not None else scaled_exactly(centre, a, "head")[0]
+    return NormalForm(weight, bias, domain.scaled(c - a), row_error, bias_error, a, c, translation, median, facts,
+                      stored_exponent)
 
 
 def _peak_offset(centre: torch.Tensor, largest: torch.Tensor, smallest: torch.Tensor) -> float:
@@ -252,6 +207,12 @@ def _two_difference(rows: torch.Tensor, centre: torch.Tensor) -> tuple[torch.Ten
     difference = rows - centre
     back = difference - rows
     return difference, (rows - (difference - back)) + (-centre - back)
+
+
+def _exact_differences(rows: torch.Tensor, centre: torch.Tensor) -> bool:
+    """Whether every float32 row less ``centre`` is a float32 array, exactly."""
+    difference, error = _two_difference(rows.to(torch.float64), centre)
+    return not bool(error.any()) and torch.equal(difference.to(torch.float32).to(torch.float64), difference)
 
 
 def _translated(weight: torch.Tensor, centre: torch.Tensor, widen: bool
@@ -294,45 +255,54 @@ class _Measured:
     offset_total: torch.Tensor | None  # sum of 2^p (w_i - m) over the competitors
 
 
-def _cache_rows(d: int) -> int:
-    """Rows of float64 scratch that fit a core's cache (1 MiB): a pass over the head through buffers of this
-    size runs about half again as fast as one through fresh 2048-row blocks."""
-    return max(16, (1 << 17) // max(d, 1))
-
-
 _UNDERFLOW = 1e-150  # a norm below this may have lost its squares to underflow: found again by safe_norm
 
 
-def _row_facts(weight: torch.Tensor, competitor: torch.Tensor, p: int, centre: torch.Tensor) -> _Measured:
+def _row_facts(weight: torch.Tensor, competitor: torch.Tensor, p: int, centre: torch.Tensor,
+               offsets: bool = True) -> _Measured:
     """The distances of the rows from ``centre`` on the head scaled by 2^p (in [1/2, 1) at its largest offset
     from ``centre``: no square overflows), in one pass: fl(w_i - m) first, then 2^p in two exact steps
     (nothing can overflow, and the difference is the one an exact translation leaves alike). For float32
     rows also their norms and the competitors' sums of rows and offsets: 2^p w_i is exact in float64 there
-    (|2^p w_ij| lies within 2^+-277). Only the distances of a float64 head are wanted (its spread): its
-    facts are measured on the normal form's rows (None here)."""
-    first, second = _halves(p)
+    (|2^p w_ij| lies within 2^+-277); the sum of the offsets only with ``offsets`` (else None). Only the
+    distances of a float64 head are wanted (its spread): its facts are measured on the normal form's rows
+    (None here).
+
+    For float32 rows the pass measures the rows as they are and scales the results instead: a power of two
+    commutes with every rounding of a norm or a sum whose terms and partial results stay normal, and they do
+    here. Every nonzero entry, difference fl(w_ij - m_j) and partial sum is a multiple of 2^-149 (so at least
+    2^-149, and 2^-279 after the scaling; its square at least 2^-558), and none is near overflow (an entry or
+    difference is below 2^129, a sum of squares below 2^258 d, a column sum below 2^129 n): so the results are
+    bit for bit those measured on 2^p w_i."""
+    first, second = halves(p)
     narrow = weight.dtype != torch.float64
     n = weight.shape[0]
     distance = torch.empty(n, dtype=torch.float64, device=weight.device)
     norm = torch.empty(n, dtype=torch.float64, device=weight.device) if narrow else None
     total = torch.zeros(weight.shape[1], dtype=torch.float64, device=weight.device) if narrow else None
-    offset_total = torch.zeros(weight.shape[1], dtype=torch.float64, device=weight.device) if narrow else None
+    offset_total = (torch.zeros(weight.shape[1], dtype=torch.float64, device=weight.device) if narrow and offsets
+                    else None)
     every = bool(competitor.all())  # then no copy of the competitor rows for the sums
-    step = _cache_rows(weight.shape[1])
+    step = cache_rows(weight.shape[1])
     rows = torch.empty(step, weight.shape[1], dtype=torch.float64, device=weight.device)
     offsets = torch.empty_like(rows)
     for s in range(0, n, step):
         block = weight[s:s + step]
         x, y = rows[:block.shape[0]], offsets[:block.shape[0]]
         x.copy_(block)  # into the buffer: a float64 head's block is its own rows
-        torch.sub(x, centre, out=y).mul_(first).mul_(second)
+        torch.sub(x, centre, out=y)
+        if not narrow:
+            y.mul_(first).mul_(second)
         torch.linalg.vector_norm(y, dim=1, out=distance[s:s + step])
         if narrow:
             chosen = slice(None) if every else competitor[s:s + step]
-            offset_total += y[chosen].sum(dim=0)
-            x.mul_(first).mul_(second)
+            if offset_total is not None:
+                offset_total += y[chosen].sum(dim=0)
             torch.linalg.vector_norm(x, dim=1, out=norm[s:s + step])
             total += x[chosen].sum(dim=0)
+    if narrow:  # measured on the rows as given: now scaled, exactly (see above)
+        distance, norm, total = (times_power_of_two(t, p) for t in (distance, norm, total))
+        offset_total = times_power_of_two(offset_total, p) if offset_total is not None else None
     # a float64 head's distances (its spread) may have lost squares to underflow: those found again
     for i in torch.nonzero(distance < _UNDERFLOW).flatten().tolist():
         distance[i] = times_power_of_two(safe_norm(weight[i:i + 1].to(torch.float64) - centre, dim=1)[0], p)

@@ -109,9 +109,19 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     if representative is None:
         representative = duplicate_groups(weight, bias)  # on the rows as given, before any rounding
     competitor = torch.as_tensor(representative == np.arange(n), device=weight.device)
-    form = normal_form(weight, bias, domain, competitor, row_error, bias_error)
-    head = build_engine_head(form.weight, form.bias, representative, form.domain, options.residual_tol,
-                             form.row_error, form.bias_error, form.median, form.facts)
+    # A few tokens of a large head (a vocabulary's added rows): nothing is built for the whole head
+    # before it pays for itself, not even the normal form's scaled copy of the rows (normal_form's carry).
+    # The bfloat16 pass (a copy of the head) and the whitened witnesses (its covariance) are left out of
+    # the screen, and the rows it leaves first try the centre's basis (settle.CentreRoutes.direct: a pool
+    # of 3D rows narrowed to 2D around the centre, and a basis on it), where a mean-initialised row takes a
+    # few pivots; only the tokens still left go the whole way. (Not where a token may hold a witness and
+    # convex weights at once, decide_at_tolerance off: there the whitened witnesses must go before any
+    # convex certificate, as in the whole audit.)
+    todo = np.unique(representative[ids])
+    few = len(todo) * _FEW_SHARE <= int(competitor.sum()) and options.decide_at_tolerance
+    form = normal_form(weight, bias, domain, competitor, row_error, bias_error, carry=few)
+    head = build_engine_head(form.stored, form.bias, representative, form.domain, options.residual_tol,
+                             form.row_error, form.bias_error, form.median, form.facts, form.stored_exponent)
     head.decide_at_tolerance = options.decide_at_tolerance
     head.bfloat16_entries, head.whitened_entries = options.bfloat16_entries, options.whitened_entries
     if form.translation is not None:
@@ -127,19 +137,10 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
                     {"residual_tol": options.residual_tol,
                      "typical_spread": form.given_length(head.typical_spread),
                      "logit_error_factor": head.error_factor})
-    todo = np.unique(representative[ids])
     if head.n_competitors == 1:  # one distinct row: it wins everywhere, against nobody
         _single_row(out, todo, head.d)
         todo = todo[:0]
 
-    # A few tokens of a large head (a vocabulary's added rows): nothing is built for the whole head
-    # before it pays for itself. The bfloat16 pass (a copy of the head) and the whitened witnesses (its
-    # covariance) are left out of the screen, and the rows it leaves first try the centre's basis
-    # (settle.CentreRoutes.direct: a pool of 3D rows narrowed to 2D around the centre, and a basis on
-    # it), where a mean-initialised row takes a few pivots; only the tokens still left go the whole way.
-    # (Not where a token may hold a witness and convex weights at once, decide_at_tolerance off: there the
-    # whitened witnesses must go before any convex certificate, as in the whole audit.)
-    few = len(todo) * _FEW_SHARE <= head.n_competitors and head.decide_at_tolerance
     clock = time.perf_counter()
     # the screen sees the head with both passes off (the same rows and facts; its sizes say "never")
     left, threat = _screen(replace(head, bfloat16_entries=_NEVER, whitened_entries=_NEVER) if few else head,

@@ -30,6 +30,7 @@ float64 re-check of the reported witness (auditor.verify) passes too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,12 +180,18 @@ class _Arithmetic:
         finite = head.bias is None or head.max_abs_bias <= 2.0**60
         in_range = 2.0**-40 <= head.typical_spread and head.max_row_norm <= 2.0**40 and finite
         large = head.n * head.d >= _LARGE_HEAD
-        self.dtype = torch.float32 if (head.weight.dtype == torch.float32 or large) and in_range else torch.float64
-        self.weight = head.weight.to(self.dtype)  # the head itself unless a float32 head is out of range
+        stored32 = head.stored.dtype == torch.float32
+        self.dtype = torch.float32 if (stored32 or large) and in_range else torch.float64
+        # A float32 head is its own stored rows, its power of two taken on the tokens' side (gram); one out of
+        # range is screened in float64.
+        if self.dtype == torch.float32 and stored32:
+            self.weight, self.exponent = head.stored, head.exponent
+        else:
+            self.weight, self.exponent = head.weight.to(self.dtype), 0
         # A large float64 head (the norm domain's reduced head, a float64 checkpoint) is screened through
         # a float32 copy: |w_i.w_k - v_i.v_k| <= e_i ||w_k|| + ||w_i|| e_k + e_i e_k, e_i = ||w_i - v_i||.
         self.copy_error = None
-        if self.dtype == torch.float32 and head.weight.dtype == torch.float64:
+        if self.dtype == torch.float32 and head.stored.dtype == torch.float64:
             self.copy_error = torch.empty(head.n, dtype=torch.float64, device=head.device)
             for s in range(0, head.n, 2048):
                 self.copy_error[s:s + 2048] = safe_norm(
@@ -206,6 +213,24 @@ class _Arithmetic:
             self.error_factor, self.underflow_floor = head.error_factor, head.underflow_floor
             self.centre_logits, self.centre_error = head.centre_logits, 0.0
             self.bias, self.bias_error = head.bias, 0.0
+
+    def gram(self, head: EngineHead, k: torch.Tensor, out: torch.Tensor) -> None:
+        """out = the products w_k . w_i of tokens k with every row, in the pass's precision. With an exponent
+        the rows are w = 2^a v (v the stored rows, w a float32 array: normal_form's carry), and (2^2a v_k) . v_i
+        is computed: its products are the same real numbers as w_k . w_i, so every rounding is the same, where
+        2^2a v_k = 2^a w_k is itself a float32 array (checked: scaled in float64, it is finite and its float32
+        rounding exact); else w_k . w_i on the scaled copy (EngineHead.weight), the same numbers again."""
+        rows = self.weight.index_select(0, k)
+        if self.exponent:
+            wide = rows.to(torch.float64) * math.ldexp(1.0, 2 * self.exponent)  # exact in float64
+            narrow = wide.to(torch.float32)
+            if bool(torch.isfinite(narrow).all()) and torch.equal(narrow.to(torch.float64), wide):
+                torch.matmul(narrow, self.weight.T, out=out)
+            else:
+                copy = head.weight
+                torch.matmul(copy.index_select(0, k), copy.T, out=out)
+            return
+        torch.matmul(rows, self.weight.T, out=out)
 
     def scales(self, scale: torch.Tensor) -> torch.Tensor:
         """Scales the pass can use exactly: rounded towards zero to its precision, so none leaves the domain."""
@@ -236,8 +261,7 @@ def _screen_chunk(head: EngineHead, arithmetic: _Arithmetic, ids: np.ndarray, re
     device = head.device
     k = torch.as_tensor(ids, device=device)
     cols = torch.arange(len(ids), device=device)
-    W = arithmetic.weight
-    torch.matmul(W.index_select(0, k), W.T, out=gram)  # chunk x n: w_k . w_i, reduced along contiguous rows
+    arithmetic.gram(head, k, gram)  # chunk x n: w_k . w_i, reduced along contiguous rows
     rows_k = head.rows64(k)
     norm_k = head.row_norm[k]
     own_gram = gram[cols, k].clone()

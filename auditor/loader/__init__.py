@@ -136,7 +136,8 @@ def load_head(path, weight: str | None = None, bias: str | None = None, progress
 
     ``path`` may also be a model on the Hugging Face Hub, ``org/name[@revision]`` (loader/hub.py): only the
     files the head needs are fetched, the final norm's too when ``need_norm``; the head's ``path`` is then
-    the id pinned to the commit read. ``store`` is a store already opened on ``path``.
+    the id pinned to the commit read. A Hub id may name a PEFT adapter, read as an adapter folder (below).
+    ``store`` is a store already opened on ``path``.
 
     ``vocab`` is a file of token strings, one per line, line i naming id i + ``vocab_offset`` (a character
     list); it replaces any other source of token strings.
@@ -146,12 +147,18 @@ def load_head(path, weight: str | None = None, bias: str | None = None, progress
     base_model_name_or_path; ``weight`` / ``bias`` then name the base's tensors.
     """
     vocabulary = (Path(vocab), vocab_offset) if vocab is not None else None
-    if base is not None and (store is not None or is_hub_id(path)):
+    if base is not None and store is not None:
         raise not_an_adapter(path, base)
     if store is None and is_hub_id(path):
         repo_id, revision = parse_hub_id(path)
         model = hub.resolve(repo_id, revision, weight=weight, bias=bias, need_norm=need_norm, progress=progress)
-        head = _read_head(model.checkpoint, weight, bias, progress, model.store, vocabulary)
+        if model.adapter:  # a PEFT adapter on the Hub: its files, read as an adapter folder is
+            head = load_adapter_head(model.checkpoint, base, load_head, vocabulary, weight=weight, bias=bias,
+                                     progress=progress, need_norm=need_norm)
+        elif base is not None:
+            raise not_an_adapter(path, base)
+        else:
+            head = _read_head(model.checkpoint, weight, bias, progress, model.store, vocabulary)
         head.path = Path(model.label)
         if model.note:
             head.notes.append(model.note)

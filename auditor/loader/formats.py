@@ -22,6 +22,10 @@ SNIFF_BYTES = 1024
 # the checkpoint of a model folder (local or on the Hub), in the order they are looked for
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
                 "pytorch_model.bin")
+# a PEFT adapter's folder (local or on the Hub), as peft's save_pretrained writes it: its configuration, and its
+# weights in the order they are looked for
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # The formats the stores read: safetensors, a torch.save zip, a pickle (a legacy torch.save, read with
 # weights_only), numpy's .npy and .npz, GGUF, an ONNX model, and a shard index (JSON with a weight_map).
 DESCRIPTIONS = {"safetensors": "a safetensors file", "torch-zip": "a PyTorch checkpoint (zip)",

@@ -9,7 +9,9 @@ logins and offline mode (HF_HUB_OFFLINE=1). A file already cached is never fetch
 the Hub cannot be reached, only the cache is read. What is fetched: config.json, the tokenizer files, the
 shard index, and only the shards that hold the head's tensors (and the final norm's, for the norm domain):
 their headers are read remotely with HTTP range requests to find out which. A model in a single file is
-fetched whole, as there is no smaller part of it to read.
+fetched whole, as there is no smaller part of it to read. A PEFT adapter (a repository with
+adapter_config.json and no model checkpoint) is fetched whole: its configuration, its weights and its
+tokenizer files; the loader applies it over its base model (loader/peft_adapter.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from auditor.errors import InputError
 from auditor.loader.config import read_config
-from auditor.loader.formats import WEIGHT_FILES
+from auditor.loader.formats import ADAPTER_CONFIG, ADAPTER_WEIGHTS, WEIGHT_FILES
 from auditor.loader.hub_errors import first_line, import_hub, network_errors, one_line_errors, progress_bars
 from auditor.loader.hub_files import CachedFiles, HubFiles, NotCached
 from auditor.loader.hub_id import hub_id, is_commit, parse_hub_id
@@ -44,9 +46,10 @@ class HubModel:
 
     repo_id: str
     commit: str
-    checkpoint: Path  # the weights file, or the shard index, in the cache's snapshot folder
+    checkpoint: Path  # the weights file, or the shard index, in the cache's snapshot folder (an adapter: the folder)
     store: object | None = None  # a store over the fetched shards only (sharded models); None: open checkpoint
     note: str | None = None
+    adapter: bool = False  # a PEFT adapter's files, not a model's
 
     @property
     def label(self) -> str:
@@ -65,7 +68,7 @@ def resolve(repo_id: str, revision: str | None = None, *, weight: str | None = N
     label = hub_id(repo_id, revision)
     with progress_bars(shown=progress), one_line_errors(hub, label, repo_id, revision):
         if hub.constants.HF_HUB_OFFLINE:
-            return _gather(CachedFiles(hub, repo_id, revision, _OFFLINE), label, weight, bias, need_norm)
+            return gather(CachedFiles(hub, repo_id, revision, _OFFLINE), label, weight, bias, need_norm)
         if is_commit(revision):  # a commit never changes: what is cached is current
             try:
                 return _gather_cached(hub, repo_id, revision, label, weight, bias, need_norm)
@@ -75,10 +78,10 @@ def resolve(repo_id: str, revision: str | None = None, *, weight: str | None = N
             source = HubFiles(hub, repo_id, revision)
         except network_errors() as error:
             reason = f"the Hub at {hub.constants.ENDPOINT} cannot be reached ({first_line(error)})"
-            model = _gather(CachedFiles(hub, repo_id, revision, reason), label, weight, bias, need_norm)
+            model = gather(CachedFiles(hub, repo_id, revision, reason), label, weight, bias, need_norm)
             model.note = f"{reason}: the cached snapshot of {label} (commit {model.commit}) was audited"
             return model
-        return _gather(source, label, weight, bias, need_norm)
+        return gather(source, label, weight, bias, need_norm)
 
 
 def list_tensors(text: str) -> list[TensorInfo]:
@@ -107,19 +110,22 @@ def list_tensors(text: str) -> list[TensorInfo]:
 
 
 def _gather_cached(hub, repo_id: str, revision: str, label: str, weight, bias, need_norm: bool) -> HubModel:
-    """_gather from the cache alone, when fetching is possible: any problem found there (a file missing, a
+    """gather from the cache alone, when fetching is possible: any problem found there (a file missing, a
     head not found among the cached shards, ...) is NotCached, so that the caller fetches instead; the
     files on the Hub then give the answer, or the error, that the complete model gives."""
     try:
-        return _gather(CachedFiles(hub, repo_id, revision, ""), label, weight, bias, need_norm)
+        return gather(CachedFiles(hub, repo_id, revision, ""), label, weight, bias, need_norm)
     except NotCached:
         raise
     except InputError as error:
         raise NotCached(str(error)) from error
 
 
-def _gather(source, label: str, weight, bias, need_norm: bool) -> HubModel:
-    """Fetch (or find in the cache) config.json, the tokenizer files and the weights the head needs."""
+def gather(source, label: str, weight, bias, need_norm: bool) -> HubModel:
+    """Fetch (or find in the cache) config.json, the tokenizer files and the weights the head needs; for a
+    PEFT adapter, its configuration, weights and tokenizer files."""
+    if ADAPTER_CONFIG in source.files and not any(name in source.files for name in WEIGHT_FILES):
+        return _adapter_files(source)
     weights = _weights_file(source, label)
     config = source.get("config.json") if "config.json" in source.files else None
     if not weights.lower().endswith(".gguf"):  # a GGUF file carries its own tokens
@@ -143,6 +149,19 @@ def _gather(source, label: str, weight, bias, need_norm: bool) -> HubModel:
     fetched = {shard: source.get(shard) for shard in sorted(shards)}
     store = SHARD_INDEXES[weights]({name: fetched[shard] for name, shard in weight_map.items() if shard in fetched})
     return HubModel(source.repo_id, source.commit, index, store)
+
+
+def _adapter_files(source) -> HubModel:
+    """A PEFT adapter's files, in the cache's snapshot folder, which the loader then reads as an adapter folder."""
+    config = source.get(ADAPTER_CONFIG)
+    weights = next((name for name in ADAPTER_WEIGHTS if name in source.files), None)
+    if weights is None:
+        raise source.absent(f"the adapter's weights ({' or '.join(ADAPTER_WEIGHTS)})")
+    source.get(weights)
+    for name in TOKENIZER_FILES + ("tokenizer_config.json", "added_tokens.json", "special_tokens_map.json"):
+        if name in source.files:
+            source.get(name)
+    return HubModel(source.repo_id, source.commit, config.parent, adapter=True)
 
 
 def _weights_file(source, label: str) -> str:

@@ -37,7 +37,7 @@ import torch
 from auditor.errors import InputError
 from auditor.head import Head
 from auditor.loader import hub
-from auditor.loader.formats import WEIGHT_FILES, identify
+from auditor.loader.formats import ADAPTER_CONFIG, ADAPTER_WEIGHTS, WEIGHT_FILES, identify
 from auditor.loader.hub_errors import import_hub, one_line_errors
 from auditor.loader.hub_files import CachedFiles
 from auditor.loader.hub_id import hub_id, is_hub_id, parse_hub_id
@@ -45,8 +45,6 @@ from auditor.loader.naming import candidate_names, is_input_embedding
 from auditor.loader.stores import SafetensorsStore, TorchStore
 from auditor.loader.tokens import base_vocabulary_size, read_token_strings, read_vocabulary
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 _PREFIX = "base_model.model."  # peft's PeftModel -> LoraModel (or other tuner) -> the base model
 _WRAPPERS = {"base_layer", "token_adapter", "original_module"}  # peft's wrapping modules, not the model's own
@@ -488,8 +486,11 @@ def _cached_hub_head(text: str, revision: str | None, load_head: ReadHead, setti
     import huggingface_hub.utils  # noqa: F401  (one_line_errors reads its exception types)
 
     with one_line_errors(huggingface_hub, label, repo_id, revision):
-        model = hub._gather(CachedFiles(huggingface_hub, repo_id, revision, advice), label, settings.get("weight"),
+        model = hub.gather(CachedFiles(huggingface_hub, repo_id, revision, advice), label, settings.get("weight"),
                             settings.get("bias"), settings.get("need_norm", False))
+    if model.adapter:
+        raise InputError(f"{label} is itself a PEFT adapter: pass --base the model the adapters were trained on, "
+                         f"with the first adapter merged into it")
     head = load_head(model.checkpoint, store=model.store, **settings)
     head.path = Path(model.label)
     return head
