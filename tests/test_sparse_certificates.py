@@ -161,6 +161,20 @@ def test_a_null_vector_entry_that_is_only_rounding_is_no_pivot(zero):
     assert np.abs(reduced @ points - alpha @ points).max() < 1e-15
 
 
+def test_a_rounding_entry_is_set_apart_and_a_real_negative_one_at_a_zero_weight_is_kept():
+    """The ratio test on its own: the only +inf ratio is a 1e-17 entry at a zero weight, rounding, so it is set to
+    0 and the step goes by the first real ratio; the -2 at the other zero weight is a real direction (that
+    weight grows), and stays as it is."""
+    from auditor.engine.caratheodory import _first_to_reach_zero
+
+    alpha = np.array([0.0, 0.5, 0.5, 0.0])
+    u = np.array([1e-17, 1.0, 0.5, -2.0])
+    assert _first_to_reach_zero(alpha, u, np.empty(4)) == 1  # ratios 0.5 and 1.0: the first weight to reach 0
+    assert u.tolist() == [0.0, 1.0, 0.5, -2.0]
+    u = np.array([0.25, 1.0, 0.5, -2.0])  # a real entry at a zero weight: a step of 0, and it is the pivot
+    assert _first_to_reach_zero(alpha, u, np.empty(4)) == 0 and u[0] == 0.25
+
+
 def test_a_second_mean_initialised_row_is_reduced_from_the_first_ones_pool(rng):
     from auditor.engine.caratheodory import from_pool
     from auditor.engine.certify import check_convex

@@ -367,8 +367,9 @@ def _first_to_reach_zero(alpha: np.ndarray, u: np.ndarray, reach: np.ndarray) ->
     """argmin of alpha_i / u_i over u_i > 0 (alpha >= 0), the first weight that alpha - t u brings to zero as t
     grows; -1 when no u_i is positive. Found as argmax of u_i / alpha_i in one pass, with no mask: a weight at 0
     where u_i > 0 gives +inf, a step of 0, as it should (the largest such u_i is taken). An entry of u that is
-    only rounding at a weight that is only rounding is no pivot. The caller holds its dropped coordinates at +inf (so u_i / alpha_i = 0 there); a 0 / 0 elsewhere
-    (u_i = 0 where the weight is 0) gives NaN, no candidate. ``reach`` is scratch."""
+    only rounding at a weight that is only rounding is no pivot. The caller holds its dropped coordinates at
+    +inf (so u_i / alpha_i = 0 there); a 0 / 0 elsewhere (u_i = 0 where the weight is 0) gives NaN, no
+    candidate. ``reach`` is scratch."""
     with np.errstate(divide="ignore", invalid="ignore"):
         np.divide(u, alpha, out=reach)
     out = int(np.argmax(reach))
@@ -386,7 +387,7 @@ def _first_to_reach_zero(alpha: np.ndarray, u: np.ndarray, reach: np.ndarray) ->
         return out
     # u_i only rounding where the weight is only rounding too (0, or what a tie left): such entries are set to
     # 0 (their weights do not move) and the test is made again on the rest
-    u[(u <= _NEGLIGIBLE * np.abs(u).max()) & (alpha <= _NEGLIGIBLE)] = 0.0
+    u[(np.abs(u) <= _NEGLIGIBLE * np.abs(u).max()) & (alpha <= _NEGLIGIBLE)] = 0.0
     return _first_to_reach_zero(alpha, u, reach)
 
 
