@@ -22,10 +22,20 @@ The head. Rows are c + s_i L g_i with g_i standard normal, L a random rotation
 times a spectrum decaying like rank^-0.68 (the slope fitted to the covariance of
 the real all-MiniLM-L6-v2 embeddings), s_i log-normal with sigma 0.29 (that
 head's spread of row norms) and c a common offset two standard deviations
-long along the leading direction. Planted, about 0.1 % of the rows in all:
+long along the leading direction. Planted, about 0.1 % of the rows in all, as
+the fine-tuning tools and the released checkpoints leave them:
 
-- mean-initialised added tokens at the end, N(mean, 1e-9 cov) as
-  ``resize_token_embeddings`` makes them: unargmaxable;
+- reserved rows at the end of the original vocabulary: rows left at zero (a
+  group of identical rows: tied, and the group unargmaxable, the origin lying
+  inside the cloud) and rows near zero, 2^-10 times an earlier row (a shrunk
+  copy: unargmaxable);
+- added tokens appended after them, initialised from the old rows (reserved rows
+  included) as the tools do: N(mean, 1e-9 cov) as ``resize_token_embeddings``
+  makes them (unargmaxable); the exact mean, several rows of it (tied, the
+  group unargmaxable); the mean plus N(0, 1/sqrt(d)) noise per coordinate as
+  LlamaFactory's noisy mean makes them (argmaxable here: the noise reaches the
+  directions the cloud is thin in, so the row leads at z = cov^-1 (w_k - mean),
+  which the bench checks itself in float64 before it plants that verdict);
 - rows copied bit for bit from earlier rows: both copies tied;
 - rows swallowed by a slightly longer copy of themselves, w_j = 1.01 w_k:
   the origin lies inside the cloud, so w_k = (w_j + 0.01 * 0) / 1.01 is a convex
@@ -50,13 +60,15 @@ SHAPES = {"gpt2": (50257, 768), "llama3": (128256, 4096), "gemma2": (256000, 230
 
 
 def make_head(n: int, d: int, seed: int = 0):
-    """The synthetic head (float32, n x d) and the planted verdicts {id: verdict}."""
+    """The synthetic head (float32, n x d), the planted verdicts {id: verdict} and, for the tied groups whose
+    verdict as a group is known, {id: group verdict}."""
     rng = np.random.default_rng(seed)
-    planted_total = max(6, n // 1000)
-    n_mean = planted_total // 2
-    n_copy = planted_total // 4
-    n_swallow = planted_total - n_mean - n_copy
-    base = n - n_mean
+    planted_total = max(16, n // 1000)
+    n_zero = n_small = n_exact = max(2, planted_total // 16)
+    n_mean = planted_total // 4
+    n_noisy = n_swallow = n_copy = max(2, planted_total // 8)  # n_copy pairs
+    n_added = n_mean + n_exact + n_noisy
+    base = n - n_added - n_zero - n_small  # the trained rows; reserved rows follow them, added tokens come last
     spectrum = np.arange(1, d + 1, dtype=np.float64) ** -0.68
     spectrum *= 1.0 / spectrum.sum()  # total variance 1
     rotation, _ = np.linalg.qr(rng.standard_normal((d, d)))
@@ -68,8 +80,8 @@ def make_head(n: int, d: int, seed: int = 0):
         g = rng.standard_normal((e - s, d), dtype=np.float32)
         scale = np.exp(0.29 * rng.standard_normal((e - s, 1))).astype(np.float32)
         weight[s:e] = offset + scale * (g @ mixing)
-    planted = {}
-    slots = rng.choice(base // 2, size=n_copy + 2 * n_swallow, replace=False)
+    planted, groups = {}, {}
+    slots = rng.choice(base // 2, size=n_copy + 2 * n_swallow + n_small, replace=False)
     for j in range(n_copy):  # a later row becomes a copy of an earlier one
         a, b = int(slots[j]), int(slots[j] + base // 2)
         weight[b] = weight[a]
@@ -79,16 +91,61 @@ def make_head(n: int, d: int, seed: int = 0):
         longer = int(slots[n_copy + 2 * j + 1] + base // 2)
         weight[longer] = np.float32(1.01) * weight[k]
         planted[k] = "unargmaxable"
-    old = weight[:base].astype(np.float64)
-    mean = old.mean(axis=0)
-    centred = old - mean
-    covariance = centred.T @ centred / base
-    del old, centred
-    noise = rng.multivariate_normal(np.zeros(d), 1e-9 * covariance, size=n_mean)
-    weight[base:] = (mean + noise).astype(np.float32)
-    for k in range(base, n):
+    reserved = base
+    weight[reserved:reserved + n_zero] = 0.0
+    for k in range(reserved, reserved + n_zero):
+        planted[k], groups[k] = "tied", "unargmaxable"
+    for j, k in enumerate(range(reserved + n_zero, reserved + n_zero + n_small)):
+        weight[k] = np.float32(2.0**-10) * weight[int(slots[n_copy + 2 * n_swallow + j])]  # exact: a power of two
         planted[k] = "unargmaxable"
-    return weight, planted
+
+    old = n - n_added  # the rows the tools initialise from: every row before the added ones
+    mean = np.zeros(d)
+    for s in range(0, old, 8192):
+        mean += weight[s:s + 8192].astype(np.float64).sum(axis=0)
+    mean /= old
+    covariance = np.zeros((d, d))
+    for s in range(0, old, 8192):
+        centred = weight[s:s + 8192].astype(np.float64) - mean
+        covariance += centred.T @ centred
+    covariance /= old
+    added = old
+    noise = rng.multivariate_normal(np.zeros(d), 1e-9 * covariance, size=n_mean)
+    weight[added:added + n_mean] = (mean + noise).astype(np.float32)
+    for k in range(added, added + n_mean):
+        planted[k] = "unargmaxable"
+    added += n_mean
+    weight[added:added + n_exact] = mean.astype(np.float32)
+    for k in range(added, added + n_exact):
+        planted[k], groups[k] = "tied", "unargmaxable"
+    added += n_exact
+    noisy = np.arange(added, added + n_noisy)
+    weight[noisy] = (mean + rng.normal(0.0, 1.0 / np.sqrt(d), size=(n_noisy, d))).astype(np.float32)
+    if not all(_leads(weight, noisy, covariance)):
+        raise SystemExit("a noisy-mean row does not lead at its own direction: pick another --seed")
+    for k in noisy.tolist():
+        planted[k] = "argmaxable"
+    return weight, planted, groups
+
+
+def _leads(weight: np.ndarray, ids: np.ndarray, covariance: np.ndarray) -> list[bool]:
+    """Whether row k leads every other row at z_k = cov^-1 (w_k - mean) by more than 1e-6 of the logits'
+    size, in float64 (exact products of float32 entries, summed with an error far below that margin)."""
+    rows = weight[ids].astype(np.float64)
+    mean = weight.astype(np.float64).mean(axis=0) if weight.shape[0] <= 8192 else None
+    if mean is None:
+        mean = np.zeros(weight.shape[1])
+        for s in range(0, weight.shape[0], 8192):
+            mean += weight[s:s + 8192].astype(np.float64).sum(axis=0)
+        mean /= weight.shape[0]
+    z = np.linalg.solve(covariance, (rows - mean).T)  # d x r
+    logits = np.empty((weight.shape[0], ids.size))
+    for s in range(0, weight.shape[0], 8192):
+        logits[s:s + 8192] = weight[s:s + 8192].astype(np.float64) @ z
+    own = logits[ids, np.arange(ids.size)]
+    logits[ids, np.arange(ids.size)] = -np.inf
+    size = np.abs(weight).max() * np.abs(z).sum(axis=0)
+    return [bool(o - r > 1e-6 * t) for o, r, t in zip(own, logits.max(axis=0), size)]
 
 
 def floor_pass(weight: torch.Tensor, chunk: int = 1024) -> float:
@@ -188,7 +245,7 @@ def main() -> None:
     d = args.width or d
 
     started = time.perf_counter()
-    weight, planted = make_head(n, d, args.seed)
+    weight, planted, groups = make_head(n, d, args.seed)
     build_s = time.perf_counter() - started
     if args.dtype == "bfloat16":
         head = torch.from_numpy(weight).to(torch.bfloat16)
@@ -217,6 +274,8 @@ def main() -> None:
     figures["peak_extra_over_head"] = round(memory.extra / head_bytes, 2)
     figures["counts"] = {k: v for k, v in report.counts.items() if v}
     wrong = {k: report.tokens[k].verdict for k, want in planted.items() if report.tokens[k].verdict != want}
+    wrong.update({k: f"tied, the group {report.tokens[k].group_verdict}" for k, want in groups.items()
+                  if k not in wrong and report.tokens[k].group_verdict != want})
     unplanted = [k for k in report.ids("unargmaxable") + report.ids("tied") + report.ids("inconclusive")
                  if k not in planted]
     figures["planted_exact"] = not wrong and not unplanted and report.counts.get("inconclusive", 0) == 0

@@ -59,6 +59,29 @@ def test_swallowed_rows_take_the_certificate_of_the_origin(rng):
         assert lp_margin(W, None, k)[0] <= 1e-9  # the LP over all rows agrees: no z makes it win
 
 
+def test_rows_at_the_origin_and_near_it_take_the_origin_s_certificate(rng):
+    # Reserved rows as checkpoints leave them: at zero (a tied group, whose representative the route decides:
+    # its ray from any rival reaches the origin at w_k itself), and near it off every ray, 1e-6 of the spread
+    # away in a random direction; the LP over all rows is the oracle of both.
+    n, d = 3000, 12
+    W = trained_like(rng, n, d, offset=2.0)
+    W[-3:-1] = 0.0
+    W[-1] = 1e-6 * rng.standard_normal(d)
+    head = engine_head(W)
+    tokens = np.array([n - 3, n - 1])  # the zero group's representative (its lowest id) and the row near zero
+    found = anchored_certificates(head, tokens)
+    assert set(found) == set(tokens.tolist())
+    for k, (indices, weights, _, _) in found.items():
+        assert indices.size <= d + 1 and k not in indices and np.all(weights > 0)
+        assert not np.isin(indices, [n - 3, n - 2]).any() or k == n - 1  # no copy of itself
+        assert convex_residual(W, None, k, indices, weights)[0] <= 1e-12 * np.linalg.norm(W).max()
+        assert lp_margin(W, None, k)[0] <= 1e-9
+    report = auditor.audit(W, progress=False)
+    assert [report.tokens[k].verdict for k in (n - 3, n - 2, n - 1)] == ["tied", "tied", "unargmaxable"]
+    assert report.tokens[n - 3].group_verdict == "unargmaxable"
+    assert auditor.verify(report, W).ok
+
+
 def test_the_route_leaves_rows_whose_ray_misses_the_origin(rng):
     n, d = 500, 8  # the row inside goes on to Frank-Wolfe at any size
     W = trained_like(rng, n, d, offset=1.0)

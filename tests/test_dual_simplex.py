@@ -144,3 +144,27 @@ def test_a_biased_mean_row_is_reduced_through_the_basis_with_half_the_dense_exce
     indices, weights, _, reduced_gap = reduced
     assert indices.size <= d + 2
     assert reduced_gap == pytest.approx(gap / 2, rel=1e-6)  # the basis route: half the dense excess kept
+
+
+def test_an_ill_conditioned_start_that_spans_is_used_as_it_is(rng):
+    # A wide head's start of D rows is far from orthogonal (its condition estimate 1e-8 at D = 4097) yet spans
+    # R^D: it is inverted as it is, with no SVD of the pool, and the certificates still agree with the LP.
+    d = 6
+    W = rng.standard_normal((400, d))
+    pool = np.arange(0, 400, 2)
+    start, _, _ = reduce_support(head := engine_head(W), pool, np.full(pool.size, 1.0 / pool.size))
+    a, b, last = start[0], start[1], start[-1]
+    W[last] = 0.5 * W[a] + 0.5 * W[b] + 1e-9 * rng.standard_normal(d)  # nearly on the segment of two others
+    head = engine_head(W)
+    basis = Basis(head, pool, start)
+    assert basis.span is None and basis.points.shape[1] == d + 1
+    tried = inside = 0
+    for k in range(1, 400, 2):
+        expected = in_hull_lp(W[pool], W[k])
+        found = basis.certificate(k, max_pivots=10_000)
+        tried += 1
+        if found is not None:
+            inside += 1
+            assert expected
+            assert_certificate(head, W, k, found)
+    assert inside > 20

@@ -52,3 +52,40 @@ def test_a_target_outside_the_pools_hull_gets_none():
     pool = rng.standard_normal((60, 8))
     outside = pool.max(axis=0) + 1.0  # beyond every row in every coordinate
     assert _maximum_entropy(pool, outside) is None
+
+
+@pytest.mark.parametrize("offset", [0.0, 2.0])
+def test_a_lone_point_s_solve_reaches_the_weights_of_the_head_s_preconditioner(rng, offset):
+    """tilt.maximum_entropy for one point (the origin of anchor.py) on a head of many rows: its conjugate
+    gradients are preconditioned by the Hessian of the heaviest rows (tilt._heavy_preconditioner); the
+    weights are the unique maximum-entropy ones all the same, those of a solve preconditioned by the head's
+    precision alone, and reproduce the point."""
+    import torch
+
+    from auditor.domain import Unbounded
+    from auditor.engine import tilt
+    from auditor.engine.head import build_engine_head
+    from auditor.engine.ties import duplicate_groups
+
+    n, d = 4000, 24
+    spectrum = np.arange(1, d + 1) ** -0.7
+    W = rng.standard_normal((n, d)) * np.sqrt(spectrum)
+    W[:, 0] += offset * np.sqrt(spectrum[0])
+    W = torch.from_numpy(W)
+    head = build_engine_head(W, None, duplicate_groups(W, None), Unbounded(), 1e-10)
+    origin = torch.zeros(1, d, dtype=torch.float64)
+    mask = torch.zeros(1, n, dtype=torch.float64)
+    goal = torch.tensor([1e-12], dtype=torch.float64)
+    assert tilt._heavy_preconditioner(head, torch.full((n,), 1.0 / n, dtype=torch.float64),
+                                      head.centre) is not head.precision  # the heavy rows' Hessian is used
+    pi, least, _ = tilt.maximum_entropy(head, origin, mask, goal, 40)
+    assert float(least[0]) <= 1e-12
+    real = tilt._heavy_preconditioner
+    try:
+        tilt._heavy_preconditioner = lambda head, pi, mean: head.precision
+        reference, _, _ = tilt.maximum_entropy(head, origin, mask, goal, 40)
+    finally:
+        tilt._heavy_preconditioner = real
+    assert torch.all(pi > 0)
+    assert float((pi - reference).abs().max()) <= 1e-9 * float(reference.max())
+    assert float(torch.linalg.vector_norm(pi[0] @ W)) <= 1e-12

@@ -8,7 +8,8 @@ segment from w_j to the origin of the coordinates the head was given in:
 with p the origin itself (mu = s / (s - 1)). When the origin lies inside the
 hull of the rows, a convex certificate of p and the weight 1 - 1/mu on w_j
 certify w_k. Rows shrunk towards the origin, and rows near it, have rays that
-pass near it as well.
+pass near it as well; a row at the origin itself (reserved rows left at zero),
+or near it, takes the origin's certificate moved to its own point.
 
 The origin's certificate is found once per audit (every rank or block of ids finds the
 same one): maximum-entropy weights on all
@@ -83,9 +84,12 @@ def anchored_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 4
         rest = origin.basis.certificate(k, np.append(p, 1.0), max_pivots=max(dim // 4, 16))
         if rest is None:
             continue
-        indices, position = np.unique(np.append(rest[0], j), return_inverse=True)  # j may be among the rest's rows
-        weights = np.zeros(indices.size)
-        np.add.at(weights, position, np.append(rest[1] / mu, 1.0 - 1.0 / mu))
+        if j < 0:  # w_k itself near the origin: p = w_k, the rest's weights alone
+            indices, weights = rest
+        else:
+            indices, position = np.unique(np.append(rest[0], j), return_inverse=True)  # j may be among the rest's
+            weights = np.zeros(indices.size)
+            np.add.at(weights, position, np.append(rest[1] / mu, 1.0 - 1.0 / mu))
         if indices.size > dim:
             weights = eliminate(lifted_points(head, indices), weights)
             indices, weights = indices[weights > 0], weights[weights > 0]
@@ -98,8 +102,9 @@ def anchored_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 4
 def _rays(head: EngineHead, ids: np.ndarray, given: tuple[torch.Tensor, torch.Tensor] | None
           ) -> list[tuple[int, float, np.ndarray, float]]:
     """Per token, of the rays from its candidate rivals w_j through w_k: (j, mu, p, ||p - origin||) for the one
-    passing closest to the origin beyond w_k (mu > 1); distance inf when none does. ``given``: see
-    tilt.ray_rivals."""
+    passing closest to the origin at or beyond w_k (mu >= 1); distance inf when none does. Where w_k itself is
+    as close (a row at the origin or near it, as reserved rows are left), (-1, 1, w_k, ||w_k - origin||):
+    the origin's certificate moved to w_k, no rival's weight. ``given``: see tilt.ray_rivals."""
     k = torch.as_tensor(ids, device=head.device)
     origin = _given_origin(head)
     w_k = head.rows64(k)
@@ -110,11 +115,14 @@ def _rays(head: EngineHead, ids: np.ndarray, given: tuple[torch.Tensor, torch.Te
     mu = torch.where(reach > 0, ((origin - w_j) * u).sum(dim=2) / reach.clamp(min=torch.finfo(torch.float64).tiny),
                      torch.zeros_like(reach))
     p = w_j + mu[:, :, None] * u
-    distance = torch.where(mu > 1, torch.linalg.vector_norm(p - origin, dim=2), torch.full_like(mu, torch.inf))
+    distance = torch.where(mu >= 1, torch.linalg.vector_norm(p - origin, dim=2), torch.full_like(mu, torch.inf))
     best = distance.argmin(dim=1)
     rows = torch.arange(len(k), device=head.device)
-    return [(int(j), float(m), q.cpu().numpy(), float(dist)) for j, m, q, dist in
-            zip(rivals[rows, best], mu[rows, best], p[rows, best], distance[rows, best])]
+    own = torch.linalg.vector_norm(w_k - origin, dim=1)
+    itself = own <= distance[rows, best]
+    return [(-1, 1.0, w.cpu().numpy(), float(o)) if at else (int(j), float(m), q.cpu().numpy(), float(dist))
+            for at, w, o, j, m, q, dist in zip(itself.tolist(), w_k, own, rivals[rows, best], mu[rows, best],
+                                                p[rows, best], distance[rows, best])]
 
 
 def _given_origin(head: EngineHead) -> torch.Tensor:

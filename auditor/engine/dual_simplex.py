@@ -129,10 +129,19 @@ class Basis:
             if (pivot + 1) % max(_REFRESH, r // 8) == 0:
                 inverse = np.linalg.inv(self.points[basis].T)
                 weights = inverse @ target
-        # one step of iterative refinement with the inverse at hand: the weights as accurate as a fresh solve
+        # iterative refinement with the inverse at hand: the weights as accurate as a fresh solve, on an
+        # ill-conditioned basis too (a step shrinks the error by about cond * eps); the best kept
         matrix = self.points[basis].T
         weights = inverse @ target
-        weights = np.maximum(weights + inverse @ (target - matrix @ weights), 0.0)
+        best, size = weights, np.inf
+        for _ in range(4):
+            residual = target - matrix @ weights
+            before, size = size, float(np.abs(residual).max())
+            if not size < before / 2:
+                break
+            best = weights
+            weights = weights + inverse @ residual
+        weights = np.maximum(best, 0.0)
         keep = weights > 0
         if not keep.any():
             return None
@@ -140,7 +149,11 @@ class Basis:
 
 
 _rank_one = scipy.linalg.blas.dger  # a + alpha x y^T, in place on a Fortran-ordered a (the inverse's transpose)
-_CONDITION = 1e-6  # reciprocal condition number (1-norm estimate) from which a square start is used as it is
+# reciprocal condition number (1-norm estimate) from which a square start is used as it is: float64 still
+# solves with it to a few digits, which the refinement step sharpens and check_convex judges (a wide head's
+# start of D = 4097 rows estimates 1e-8 and spans R^D). A pool whose rows span fewer dimensions (a normalised
+# head) gives an estimate at float64's rounding, and the SVD finds its span.
+_CONDITION = 2.0**-40
 
 
 def _inverse_if_well_conditioned(square: np.ndarray) -> np.ndarray | None:

@@ -121,6 +121,13 @@ def sparsify(head: EngineHead, out: Decisions, routes: CentreRoutes | None = Non
         _record(head, out, k, support, alpha, dim)
 
 
+def _route_pivots(dim: int) -> int:
+    """Pivots a route may take before the token goes to a full reduction instead: a pivot is a
+    matrix-vector product with the pool and a rank-one update (O(D^2), memory-bound), and D / 8 of them
+    cost about what a full reduction (merge rounds of O(D^3) matrix products) does."""
+    return max(_DIRECT_PIVOTS, dim // 8)
+
+
 _SPREAD_WEIGHT = 0.1  # a dense certificate whose heaviest weight is at most this has its bulk near the centre
 _DIRECT_PIVOTS = 32  # pivots of the few-token route from the centre's basis (CentreRoutes.direct)
 
@@ -132,8 +139,8 @@ class CentreRoutes:
        centre of the head passes through (dual_simplex.Basis, caratheodory.centre_pool):
        a few pivots for a mean-initialised row;
     2. a basis of 3D rows drawn around the centre (caratheodory.spread_pool), as
-       much of the centre's basis as they hold, whose hull reaches further, with
-       up to 3D pivots;
+       much of the centre's basis as they hold, whose hull reaches further;
+       each of these two routes with at most max(32, D / 8) pivots (_route_pivots);
     3. for certificates of the interior stage, moving the bulk onto either pool
        and one or two eliminations (caratheodory.from_pool).
 
@@ -167,11 +174,11 @@ class CentreRoutes:
 
     def _from_bases(self, k: int, target: np.ndarray, direct: bool = False
                     ) -> tuple[np.ndarray, np.ndarray, float, float] | None:
-        """The centre's basis (up to D pivots), then the spread pool's (up to 3D); ``direct``: the centre's
+        """The centre's basis, then the spread pool's (up to _route_pivots each); ``direct``: the centre's
         alone, up to _DIRECT_PIVOTS (mean-initialised rows take 1-9), so a token further out costs little
         before it goes the whole way."""
         routes = ((("centre", min(self.dim, _DIRECT_PIVOTS)),) if direct
-                  else (("centre", self.dim), ("spread", 3 * self.dim)))
+                  else (("centre", _route_pivots(self.dim)), ("spread", _route_pivots(self.dim))))
         for name, pivots in routes if self.centre is not None else ():
             found = self._basis(name).certificate(k, target, max_pivots=pivots)
             check = check_convex(self.head, k, *found) if found is not None else None

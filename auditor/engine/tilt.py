@@ -338,9 +338,11 @@ def _newton_steps(head: EngineHead, pi: torch.Tensor, mean: torch.Tensor, gradie
     H v = W^T (pi * (W v)) - m (m . v): two passes over the head per product
     (in its storage precision: the products only steer the steps), batched
     over the tokens, never a d x d Hessian per token. The preconditioner is the
-    head's precision matrix, the exact inverse Hessian at theta = 0.
+    head's precision matrix, the exact inverse Hessian at theta = 0; for a lone point (the origin's solve of
+    anchor.py) on a head of many rows, the inverse of the Hessian of the rows that carry the most weight
+    (_heavy_preconditioner), which a tilt far from theta = 0 needs.
     """
-    metric = head.precision
+    metric = head.precision if pi.shape[0] > 1 else _heavy_preconditioner(head, pi[0], mean[0])
 
     def product(v, rows):
         m = mean[rows]
@@ -369,3 +371,30 @@ def _newton_steps(head: EngineHead, pi: torch.Tensor, mean: torch.Tensor, gradie
         direction = z + beta[:, None] * direction
         rz = torch.where(active, rz_new, rz)
     return x
+
+
+_HEAVY_ROWS = 2  # times D: the rows of largest weight the lone point's preconditioner is formed on
+
+
+def _heavy_preconditioner(head: EngineHead, pi: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """The inverse of sum_{i in T} pi_i (w_i - m)(w_i - m)^T + (1 - pi(T)) C over the 2D rows T of largest
+    weight (C the head's covariance, m the weighted mean): the Hessian itself where T holds nearly all the
+    weight, as it does once the tilt has moved far from the centre, and C's share for the rest.
+
+    Formed in float32 (it only steers the conjugate gradients, whose products and residuals are the
+    Hessian's own), in 2 D d^2 operations: on a head of fewer than 8 D rows the full passes of the products
+    cost less, and the head's precision serves."""
+    d = head.d
+    count = _HEAVY_ROWS * (d + 1)
+    if head.n < 4 * count:
+        return head.precision
+    weights, rows = torch.topk(pi, count)
+    heavy = head.stored.index_select(0, rows).to(torch.float32)  # the stored rows: 2^-exponent w_i
+    heavy -= (mean * 2.0**-head.exponent).to(torch.float32)
+    heavy *= (weights.sqrt() * 2.0**head.exponent).to(torch.float32)[:, None]
+    hessian = (heavy.T @ heavy).to(torch.float64)
+    hessian += max(float(1.0 - weights.sum()), 1e-6) * head.covariance
+    factor, info = torch.linalg.cholesky_ex(hessian)
+    if int(info) != 0:
+        return head.precision
+    return torch.cholesky_inverse(factor)
