@@ -82,6 +82,36 @@ def test_rows_at_the_origin_and_near_it_take_the_origin_s_certificate(rng):
     assert auditor.verify(report, W).ok
 
 
+def test_a_row_of_the_origin_s_basis_moves_its_own_weight_across_instead_of_pivoting(rng):
+    # A swallowed row that is one of the rows the origin's certificate rests on: p's combination puts weight a
+    # on w_k itself, and w_k = sum_i c_i w_i / (1 - a) needs no pivot to take w_k out of the basis. The longer
+    # copy is appended; the first row of the origin's basis that stays in it with the copy there is the token.
+    from auditor.engine import anchor
+
+    n, d = 3000, 12
+    W = trained_like(rng, n, d, offset=2.0)
+    first = anchor._Origin(engine_head(W), 40).basis
+    tried = 0
+    for k in first.pool[first.start].tolist():
+        longer = np.vstack([W, 1.01 * W[k]])
+        head = engine_head(longer)
+        basis = anchor._Origin(head, 40).basis
+        if k not in basis.pool[basis.start]:
+            continue
+        tried += 1
+        p = longer[n] + (1.01 / 0.01) * (longer[k] - longer[n])
+        if basis.certificate(k, np.append(p, 1.0), max_pivots=0) is not None:
+            continue  # its weight in p's combination happens to be 0: nothing to move
+        found = anchored_certificates(head, np.array([k]))
+        indices, weights, _, _ = found[k]
+        assert k not in indices and indices.size <= d + 1 and np.all(weights > 0)
+        assert convex_residual(longer, None, k, indices, weights)[0] <= 1e-11 * np.linalg.norm(longer[k])
+        assert lp_margin(longer, None, k)[0] <= 1e-9
+        break
+    else:
+        pytest.fail(f"no row of the origin's basis stayed in it ({tried} tried)")
+
+
 def test_the_route_leaves_rows_whose_ray_misses_the_origin(rng):
     n, d = 500, 8  # the row inside goes on to Frank-Wolfe at any size
     W = trained_like(rng, n, d, offset=1.0)

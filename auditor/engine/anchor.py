@@ -17,7 +17,11 @@ rows by Newton's method (tilt.maximum_entropy), reduced to at most D rows
 (caratheodory.reduce_support), whose basis on the rows of the reduction's last
 round starts the dual simplex (dual_simplex.Basis) for each token's own point p,
 the point of its ray closest to the origin: a few pivots from the origin's
-basis. With the weight on w_j the certificate has at most D + 1 rows, and one
+basis. Row k itself may carry weight in p's combination (a row of the origin's
+basis, or the zero row the origin's weights rest on): from
+w_k = a w_k + sum_i c_i w_i with a < 1, w_k = sum_i c_i w_i / (1 - a), a convex
+combination of the others, so the token's own row never has to be pivoted out.
+With the weight on w_j the certificate has at most D + 1 rows, and one
 elimination brings it to D. So such a token costs neither a Newton solve of its
 own nor a full reduction of a dense certificate. Every certificate goes through
 certify.check_convex.
@@ -81,7 +85,7 @@ def anchored_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 4
         return found
     dim = lifted_dimension(head)
     for k, j, mu, p in near:
-        rest = origin.basis.certificate(k, np.append(p, 1.0), max_pivots=max(dim // 4, 16))
+        rest = origin.basis.certificate(k, np.append(p, 1.0), max_pivots=max(dim // 4, 16), own=True)
         if rest is None:
             continue
         if j < 0:  # w_k itself near the origin: p = w_k, the rest's weights alone
@@ -90,6 +94,12 @@ def anchored_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 4
             indices, position = np.unique(np.append(rest[0], j), return_inverse=True)  # j may be among the rest's
             weights = np.zeros(indices.size)
             np.add.at(weights, position, np.append(rest[1] / mu, 1.0 - 1.0 / mu))
+        mine = indices == k
+        if mine.any():  # w_k = a w_k + sum_i c_i w_i with a < 1: w_k = sum_i c_i w_i / (1 - a)
+            own = float(weights[mine].sum())
+            if not own < 1.0:
+                continue
+            indices, weights = indices[~mine], weights[~mine] / (1.0 - own)
         if indices.size > dim:
             weights = eliminate(lifted_points(head, indices), weights)
             indices, weights = indices[weights > 0], weights[weights > 0]

@@ -123,10 +123,13 @@ def centre_pool(head: EngineHead, spread: Pool) -> tuple[Pool, np.ndarray] | Non
 @dataclass
 class Pool:
     """At most 2D rows around a point that a full reduction passed through (its last merge round), and
-    their lifted points."""
+    their lifted points (None once a holder has let them go: ``lifted`` gathers them again)."""
 
     indices: np.ndarray
-    points: np.ndarray
+    points: np.ndarray | None
+
+    def lifted(self, head: EngineHead) -> np.ndarray:
+        return self.points if self.points is not None else lifted_points(head, self.indices)
 
 
 def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights: np.ndarray,
@@ -158,7 +161,7 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
         if head.bias is not None:
             target = np.append(target, float(dense @ head.bias) / mass)
     others = pool.indices != k  # the token may sit among the rows another token's certificate used
-    spread = _maximum_entropy(pool.points[others, :-1], target)  # from theta = 0: no token depends on another
+    spread = _maximum_entropy(pool.lifted(head)[others, :-1], target)  # from theta = 0: no token depends on another
     if spread is None:
         return None
     union, position = np.unique(np.concatenate([indices[top], pool.indices[others]]), return_inverse=True)

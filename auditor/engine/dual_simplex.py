@@ -67,12 +67,12 @@ class Basis:
         self.start = _independent(self.points, position)
         self.inverse = np.linalg.inv(self.points[self.start].T) if self.start is not None else None
 
-    def certificate(self, k: int, point: np.ndarray | None = None, max_pivots: int | None = None
-                    ) -> tuple[np.ndarray, np.ndarray] | None:
+    def certificate(self, k: int, point: np.ndarray | None = None, max_pivots: int | None = None,
+                    own: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
         """Weights on at most r pool rows other than k whose lifted combination is ``point`` (default token
         k's own, (w_k, b_k, 1)), found by pivoting from the shared basis; None when the pool's hull does not
         hold the point, when ``max_pivots`` (default r) pivots do not reach it, or when the basis cannot be
-        built."""
+        built. ``own``: row k may carry weight too (the caller moves it to the other side: anchor.py)."""
         if self.inverse is None:
             return None
         if point is None:
@@ -82,11 +82,12 @@ class Basis:
             target = target @ self.span
         r = self.points.shape[1]
         max_pivots = r if max_pivots is None else max_pivots
-        basis, inverse = self.start.copy(), self.inverse.copy()
+        # the shared inverse is copied only when a pivot changes it (a D x D array: most tokens take none)
+        basis, inverse, shared = self.start.copy(), self.inverse, True
         weights = inverse @ target
         basic = np.zeros(self.pool.size, dtype=bool)
         basic[basis] = True
-        banned = self.pool == k  # a certificate never uses the token's own row
+        banned = (self.pool == k) & (not own)  # a certificate never uses the token's own row
         cost = np.where(basic, 0.0, 1.0)  # reduced costs: the start is dual feasible
         for pivot in range(max_pivots + 1):
             own = np.flatnonzero(banned[basis])
@@ -121,6 +122,8 @@ class Basis:
             weights = weights - step * column
             weights[leave] = step
             pivot_row = inverse[leave] / column[leave]
+            if shared:
+                inverse, shared = inverse.copy(), False
             # the rank-one update in place (row `leave` is set afterwards): no copies of the other rows
             inverse = _rank_one(-1.0, pivot_row, column, a=inverse.T, overwrite_a=True).T  # the same memory
             inverse[leave] = pivot_row
@@ -131,11 +134,12 @@ class Basis:
                 weights = inverse @ target
         # iterative refinement with the inverse at hand: the weights as accurate as a fresh solve, on an
         # ill-conditioned basis too (a step shrinks the error by about cond * eps); the best kept
-        matrix = self.points[basis].T
+        spread = np.zeros(self.pool.size)  # B w as (pool-sized weights) @ points: no gathered copy of B
         weights = inverse @ target
         best, size = weights, np.inf
         for _ in range(4):
-            residual = target - matrix @ weights
+            spread[basis] = weights
+            residual = target - spread @ self.points
             before, size = size, float(np.abs(residual).max())
             if not size < before / 2:
                 break

@@ -154,6 +154,16 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
         left, threat = _centre_first(routes, out, left, threat)
         if len(left):  # the whitened witnesses where the head's own size calls for them
             left, threat = _whitened(head, out, left, threat, None)
+    elif len(left) and head.bias is None:
+        # The whole audit's mean-initialised rows: the same route, before the interior stage's dense
+        # weights (a pass over the head and a float64 check of n rows a token, then a reduction) for rows
+        # that a few pivots settle. Only where a token lies near the centre are the routes built at all.
+        near = _near_centre(head, left)
+        if near.any():
+            routes = CentreRoutes(head)
+            _centre_first(routes, out, left[near], threat[near])
+            keep = out.verdict[left] == UNDECIDED
+            left, threat = left[keep], threat[keep]
     left, threat = _interior(head, out, left, threat)
     timings["interior"] = time.perf_counter() - clock
 
@@ -262,6 +272,17 @@ def _centre_first(routes: CentreRoutes, out: Decisions, left: np.ndarray, threat
             set_convex(out, k, *found, "interior")
     keep = out.verdict[left] == UNDECIDED
     return left[keep], threat[keep]
+
+
+_NEAR_CENTRE = 0.1  # Mahalanobis distance from the centre within which a row first tries the centre's basis
+
+
+def _near_centre(head: EngineHead, ids: np.ndarray) -> np.ndarray:
+    """Whether each token's row lies within _NEAR_CENTRE of the centre in the metric of the head's covariance
+    (mean-initialised rows: about sqrt(1e-9 d))."""
+    offsets = head.rows64(torch.as_tensor(ids, device=head.device)) - head.centre
+    distance = ((offsets @ head.precision) * offsets).sum(dim=1).clamp(min=0).sqrt()
+    return (distance <= _NEAR_CENTRE).cpu().numpy()
 
 
 def _interior(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

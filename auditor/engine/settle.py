@@ -156,14 +156,18 @@ class CentreRoutes:
         self.dim = lifted_dimension(head)
         self.spread = spread_pool(head)
         self.centre = centre_pool(head, self.spread) if self.spread is not None else None
+        if self.spread is not None:  # 3D x D float64, gathered again if a later route needs it
+            self.spread.points = None
         self.bases: dict[str, Basis] = {}
 
     def _basis(self, name: str) -> Basis:
-        """The basis of the centre on the centre pool ("centre") or on the spread pool ("spread"), built once."""
+        """The basis of the centre on the centre pool ("centre") or on the spread pool ("spread"), built once;
+        the pool's own lifted points are let go (the basis holds them scaled)."""
         if name not in self.bases:
             pool, support = self.centre
             chosen = pool if name == "centre" else self.spread
-            self.bases[name] = Basis(self.head, chosen.indices, support, chosen.points)
+            self.bases[name] = Basis(self.head, chosen.indices, support, chosen.lifted(self.head))
+            chosen.points = None
         return self.bases[name]
 
     def direct(self, k: int) -> tuple[np.ndarray, np.ndarray, float, float] | None:
