@@ -161,7 +161,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
         near = _near_centre(head, left)
         if near.any():
             routes = CentreRoutes(head)
-            _centre_first(routes, out, left[near], threat[near])
+            _centre_first(routes, out, left[near], threat[near], routes.direct_pivots())
             keep = out.verdict[left] == UNDECIDED
             left, threat = left[keep], threat[keep]
     left, threat = _interior(head, out, left, threat)
@@ -263,11 +263,12 @@ def _whitened(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.nda
     return left, threat
 
 
-def _centre_first(routes: CentreRoutes, out: Decisions, left: np.ndarray, threat: np.ndarray
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Certificates on at most D rows straight from the bases around the centre (the few-token route)."""
+def _centre_first(routes: CentreRoutes, out: Decisions, left: np.ndarray, threat: np.ndarray,
+                  pivots: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Certificates on at most D rows straight from the bases around the centre (the few-token route, and
+    the whole audit's rows near the centre with ``pivots``)."""
     for k in left.tolist():
-        found = routes.direct(k)
+        found = routes.direct(k) if pivots is None else routes.direct(k, pivots)
         if found is not None:
             set_convex(out, k, *found, "interior")
     keep = out.verdict[left] == UNDECIDED

@@ -170,18 +170,24 @@ class CentreRoutes:
             chosen.points = None
         return self.bases[name]
 
-    def direct(self, k: int) -> tuple[np.ndarray, np.ndarray, float, float] | None:
+    def direct(self, k: int, pivots: int = _DIRECT_PIVOTS) -> tuple[np.ndarray, np.ndarray, float, float] | None:
         """A certificate for token k on at most D rows straight from the centre's basis (route 1), with no
         dense certificate to start from: the point reproduced is (w_k, b_k, 1), a bias gap of 0 up to
-        rounding, which the check settles. None when the basis does not reach the point."""
-        return self._from_bases(k, lifted_points(self.head, np.array([k]))[0], direct=True)
+        rounding, which the check settles; at most ``pivots`` pivots (mean-initialised rows take 1-9 at
+        D = 385, more on wider heads, whose simplex around the centre is thinner). None when the basis
+        does not reach the point."""
+        return self._from_bases(k, lifted_points(self.head, np.array([k]))[0], direct=pivots)
 
-    def _from_bases(self, k: int, target: np.ndarray, direct: bool = False
+    def direct_pivots(self) -> int:
+        """The pivots the whole audit allows a direct route (the few-token route allows _DIRECT_PIVOTS): as
+        many as sparsify's routes, which a token the route misses would take after the interior stage."""
+        return _route_pivots(self.dim)
+
+    def _from_bases(self, k: int, target: np.ndarray, direct: int = 0
                     ) -> tuple[np.ndarray, np.ndarray, float, float] | None:
         """The centre's basis, then the spread pool's (up to _route_pivots each); ``direct``: the centre's
-        alone, up to _DIRECT_PIVOTS (mean-initialised rows take 1-9), so a token further out costs little
-        before it goes the whole way."""
-        routes = ((("centre", min(self.dim, _DIRECT_PIVOTS)),) if direct
+        alone, up to that many pivots, so a token further out costs little before it goes the whole way."""
+        routes = ((("centre", min(self.dim, direct)),) if direct
                   else (("centre", _route_pivots(self.dim)), ("spread", _route_pivots(self.dim))))
         for name, pivots in routes if self.centre is not None else ():
             found = self._basis(name).certificate(k, target, max_pivots=pivots)
