@@ -168,3 +168,24 @@ def test_an_ill_conditioned_start_that_spans_is_used_as_it_is(rng):
             assert expected
             assert_certificate(head, W, k, found)
     assert inside > 20
+
+
+def test_a_start_of_fewer_than_d_rows_is_completed_from_the_pool(rng):
+    # A reduction may leave fewer than D rows; the start is completed from the pool's rows outside their span,
+    # with no SVD of the pool, and certificates agree with the LP.
+    d = 6
+    W = rng.standard_normal((400, d))
+    head = engine_head(W)
+    pool = np.arange(0, 400, 2)
+    start, _, _ = reduce_support(head, pool, np.full(pool.size, 1.0 / pool.size))
+    basis = Basis(head, pool, start[:-2])
+    assert basis.span is None and basis.start.size == d + 1
+    assert set(pool[basis.start[np.isin(pool[basis.start], start[:-2])]].tolist()) == set(start[:-2].tolist())
+    inside = 0
+    for k in range(1, 400, 2):
+        found = basis.certificate(k, max_pivots=10_000)
+        assert (found is not None) == in_hull_lp(W[pool], W[k])
+        if found is not None:
+            inside += 1
+            assert_certificate(head, W, k, found)
+    assert inside > 20

@@ -124,3 +124,34 @@ def test_an_audit_of_a_few_tokens_makes_no_copy_of_the_head(rng, monkeypatch):
     few = auditor.audit(W, tokens=ids, progress=False)
     assert [few.tokens[k].verdict for k in ids] == [whole.tokens[k].verdict for k in ids]
     assert [few.tokens[k].verdict for k in ids[:3]] == ["unargmaxable"] * 3
+
+
+def test_a_whole_audit_makes_no_copy_of_the_head_and_answers_as_for_2_to_the_s_w(rng, monkeypatch):
+    """The whole audit reads a float32 head as given too, the bfloat16 pass, the whitened witnesses and the
+    stages after them included (the sizes that switch them on set to 0); its verdicts and margins are those of
+    2^s W's audit, and the planted rows' verdicts those of the LP over all rows."""
+    from oracles import lp_margin
+
+    W = _rows(rng, n=2000, d=24, scale=0.03)
+    W[1990:1993] = W[:1990].mean(axis=0) + rng.standard_normal((3, 24)).astype(np.float32) * 1e-6
+    W[1993] = np.float32(2.0**-10) * W[7]  # a shrunk copy: inside, the origin lying inside the cloud
+    W[1994:1996] = 0.0  # reserved rows at zero
+    options = {"progress": False, "bfloat16_entries": 0, "whitened_entries": 0}
+    scaled = auditor.audit(W * np.float32(2.0**12), **options)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a scaled copy of the head was made")
+
+    monkeypatch.setattr(head_module, "scaled_exactly", refuse)
+    report = auditor.audit(W, **options)
+    verdicts = [report.tokens[k].verdict for k in range(len(W))]
+    assert verdicts == [scaled.tokens[k].verdict for k in range(len(W))]
+    margins = np.array([report.tokens[k].margin for k in range(len(W))], dtype=float) * 2.0**12  # exact
+    assert np.array_equal(np.nan_to_num(margins, nan=-1.0),
+                          np.nan_to_num(np.array([scaled.tokens[k].margin for k in range(len(W))], dtype=float),
+                                        nan=-1.0))
+    W64 = W.astype(np.float64)
+    for k in [1990, 1991, 1992, 1993]:
+        assert verdicts[k] == "unargmaxable" and lp_margin(W64, None, k)[0] <= 1e-9
+    assert verdicts[1994] == "tied" and report.tokens[1994].group_verdict == "unargmaxable"
+    assert auditor.verify(report, W).ok

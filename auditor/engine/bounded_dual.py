@@ -183,7 +183,7 @@ class _WorkingSet:
         self.head = head
         self.offset = offset  # bias plus row mask, over all n rows
         self.members = torch.zeros(0, dtype=torch.int64, device=head.device)
-        self.rows = head.weight[:0]
+        self.rows = head.stored[:0]
         self.position = torch.full((head.n,), -1, dtype=torch.int64, device=head.device)
         self.add(members)
 
@@ -194,7 +194,7 @@ class _WorkingSet:
             self.position[fresh] = torch.arange(self.members.numel(), self.members.numel() + fresh.numel(),
                                                 device=fresh.device)
             self.members = torch.cat([self.members, fresh])
-            self.rows = torch.cat([self.rows, self.head.weight.index_select(0, fresh)])
+            self.rows = torch.cat([self.rows, self.head.rows_in_storage(fresh)])
         return fresh.numel()
 
     def scores(self, z: torch.Tensor, own: torch.Tensor, first: int = 0) -> torch.Tensor:

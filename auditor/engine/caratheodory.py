@@ -297,12 +297,14 @@ def _null_vectors(points: np.ndarray) -> np.ndarray:
     m, dim = points.shape
     columns = torch.from_numpy(points / np.maximum(np.abs(points).max(axis=0), np.finfo(np.float64).tiny))
     factors, pivots, _ = torch.linalg.lu_factor_ex(columns)  # columns[permutation] = L U, L = [L1; L2] unit lower
+    del columns  # m x D arrays are let go as soon as they are spent: at D = 4097 each is a tenth of a head
     permutation = np.arange(m)
     for i, p in enumerate(pivots.numpy() - 1):  # LAPACK's row swaps, in order
         permutation[i], permutation[p] = permutation[p], permutation[i]
     # L1^T is the strict upper triangle of factors[:dim]^T with a unit diagonal (U fills the rest, unread);
     # L2 = factors[dim:] whole
     top = torch.linalg.solve_triangular(factors[:dim].T, factors[dim:].T, upper=True, unitriangular=True)
+    del factors
     # the null vectors of L^T are the columns of [-L1^-T L2^T; I]; coordinate j of w is that of point permutation[j]
     null = np.zeros((m - dim, m))
     null[:, permutation[:dim]] = -top.T.numpy()

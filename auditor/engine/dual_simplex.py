@@ -55,6 +55,10 @@ class Basis:
         self.scale[self.scale == 0] = 1.0  # a coordinate zero on every pool row
         scaled = lifted / self.scale
         position = np.flatnonzero(np.isin(self.pool, start))
+        if 0 < position.size < scaled.shape[1]:
+            # fewer start rows than D (a reduction that dropped more than it had to): completed from the pool
+            # before an SVD of the pool (a minute at D = 4097) is tried (_completed)
+            position = _completed(scaled, position)
         inverse = _inverse_if_well_conditioned(scaled[position]) if position.size == scaled.shape[1] else None
         if inverse is not None:
             # D start rows that span R^D: so does the pool, and the working coordinates are the scaled ones
@@ -171,6 +175,27 @@ def _inverse_if_well_conditioned(square: np.ndarray) -> np.ndarray | None:
     if info != 0 or rcond < _CONDITION:
         return None
     return torch.linalg.lu_solve(factors, pivots, torch.eye(len(square), dtype=torch.float64)).numpy()
+
+
+def _completed(points: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """``chosen`` (positions of rows of the m x D ``points``, fewer than D) and D - |chosen| more rows: the
+    rows of a sample of the others (a few times as many as missing) left farthest outside the span of the
+    chosen, picked by an LU factorisation with partial pivoting of their parts outside it. Whether the D
+    rows are independent enough is for the caller's condition estimate to judge."""
+    dim = points.shape[1]
+    missing = dim - chosen.size
+    others = np.setdiff1d(np.arange(points.shape[0]), chosen)
+    if others.size < missing:
+        return chosen
+    sample = others if others.size <= 4 * missing + 64 else np.sort(
+        np.random.default_rng(0).choice(others, size=4 * missing + 64, replace=False))
+    q, _ = np.linalg.qr(points[chosen].T)  # D x |chosen|: an orthonormal basis of their span
+    outside = points[sample] - (points[sample] @ q) @ q.T
+    _, pivots, _ = torch.linalg.lu_factor_ex(torch.from_numpy(outside))
+    order = np.arange(sample.size)
+    for i, p in enumerate(pivots.numpy()[:missing] - 1):  # LAPACK's row swaps, in order
+        order[i], order[p] = order[p], order[i]
+    return np.sort(np.concatenate([chosen, sample[order[:missing]]]))
 
 
 def _independent(points: np.ndarray, chosen: np.ndarray) -> np.ndarray | None:

@@ -211,21 +211,41 @@ class EngineHead:
 
         For search directions only (Frank-Wolfe's vertex choice): every witness
         found this way is checked again with ``logits``. ``fast_error_factor``
-        bounds its error like ``error_factor`` bounds that of ``logits``.
+        bounds its error like ``error_factor`` bounds that of ``logits`` (rows stored as 2^a v: the float32
+        products of z with v are those with 2^a v scaled by 2^-a, rounded alike but where they leave
+        float32's normal range; non-finite products take the scaled copy).
         """
-        if self.weight.dtype == torch.float64:
+        if self.stored.dtype == torch.float64:
             return z @ self.weight.T
+        if self.exponent:  # z (2^a v)^T = 2^a (z v^T): the same float32 products but for their power of two
+            logits = (z.to(torch.float32) @ self.stored.T).to(torch.float64)
+            if bool(torch.isfinite(logits).all()):
+                return logits.mul_(self.power)
         return (z.to(self.weight.dtype) @ self.weight.T).to(torch.float64)
 
     def fast_combine(self, alpha: torch.Tensor) -> torch.Tensor:
         """alpha W in the storage's precision, returned as float64 (steering only, like fast_logits)."""
-        if self.weight.dtype == torch.float64:
+        if self.stored.dtype == torch.float64:
             return alpha @ self.weight
+        if self.exponent:  # alpha (2^a v) = 2^a (alpha v), likewise
+            total = (alpha.to(torch.float32) @ self.stored).to(torch.float64)
+            if bool(torch.isfinite(total).all()):
+                return total.mul_(self.power)
         return (alpha.to(self.weight.dtype) @ self.weight).to(torch.float64)
+
+    def rows_in_storage(self, ids: torch.Tensor) -> torch.Tensor:
+        """Some rows in the storage's precision (steering products: bounded_dual's working set), from the stored
+        rows and the power of two: no scaled copy of the head."""
+        rows = self.stored.index_select(0, ids)
+        if not self.exponent:
+            return rows
+        scaled = rows.to(torch.float64).mul_(self.power)
+        narrow = scaled.to(rows.dtype)
+        return narrow if bool(torch.isfinite(narrow).all()) else self.weight.index_select(0, ids)
 
     @property
     def fast_error_factor(self) -> float:
-        if self.weight.dtype == torch.float64:
+        if self.stored.dtype == torch.float64:
             return self.error_factor
         return logit_error_factor(self.d, UNIT_ROUNDOFF_32) + 2 * UNIT_ROUNDOFF_32  # and z rounded to float32
 

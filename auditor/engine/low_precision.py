@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from auditor.engine.certify import derived_error
-from auditor.engine.head import EngineHead, robust_row_norms
+from auditor.engine.head import EngineHead
 from auditor.engine.rounding import (SMALLEST_NORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, UNIT_ROUNDOFF_BF16,
                                      float32_towards_zero, gamma, safe_norm)
 
@@ -163,9 +163,12 @@ class CentredRows:
 
 
 def centred_rows(head: EngineHead) -> CentredRows:
-    """The pass's copy of the head, by blocks: for a float32 head the difference is a float32 operation
-    (c is a float32 vector), for a float64 one a float64 operation, either way one rounding before
-    bfloat16's. It is half a float32 head; the screen keeps it for the whitened witnesses too."""
+    """The pass's copy of the head, by blocks: w_i - c formed in float64 from the rows as the engine holds
+    them (EngineHead.rows64: rows stored as 2^a v are scaled there, exactly, so no scaled copy of the head is
+    made), rounded to float32 and then to bfloat16: three rounding steps, as product_error_factor allows (for
+    a float32 head and c a float32 vector the float64 difference is exact but where their exponents lie
+    more than 29 apart, and its float32 rounding the float32 difference). It is half a float32 head; the
+    screen keeps it for the whitened witnesses too. The norms are those of the same float64 offsets."""
     shifted, spread = None, 0.0
     if head.bias is not None:
         rival_bias = head.bias[head.competitor]
@@ -173,13 +176,18 @@ def centred_rows(head: EngineHead) -> CentredRows:
         spread = float(shifted[head.competitor].abs().max()) * (1 + 2.0**-50)  # >= max |b~_i|, exact or computed
     width = head.d if shifted is None else -(-(head.d + 1) // 16) * 16
     values = torch.empty(head.n, width, dtype=torch.bfloat16, device=head.device)
-    centre = head.witness_centre.to(head.weight.dtype)
+    size = torch.empty(head.n, dtype=torch.float64, device=head.device)
     for s in range(0, head.n, 4096):
-        values[s:s + 4096, :head.d] = (head.weight[s:s + 4096] - centre).to(torch.bfloat16)
+        offsets = head.rows64(torch.arange(s, min(s + 4096, head.n), device=head.device)) - head.witness_centre
+        values[s:s + 4096, :head.d] = offsets.to(torch.float32).to(torch.bfloat16)
+        size[s:s + 4096] = torch.linalg.vector_norm(offsets, dim=1)
+    tiny = torch.nonzero(size < 1e-150).flatten()  # only these can have underflowed
+    if tiny.numel():
+        size[tiny] = safe_norm(head.rows64(tiny) - head.witness_centre, dim=1)
     if shifted is not None:
         values[:, head.d + 1:] = 0
         values[:, head.d] = shifted.to(torch.bfloat16)
-    size = robust_row_norms(head.weight, head.witness_centre) * (1 + gamma(head.d + 2))
+    size = size * (1 + gamma(head.d + 2))
     return CentredRows(values, size, float(size[head.competitor].max()), shifted, spread)
 
 

@@ -325,8 +325,11 @@ def _residual(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray
         return approximate  # a residual this long has a direction float64 gets right, or too many rows
     from fractions import Fraction
 
-    rows = head.exact_source[0] if head.exact_source is not None else head.weight
-    picked = rows.index_select(0, torch.as_tensor(np.append(support, k), device=rows.device)).to(torch.float64)
+    if head.exact_source is not None:
+        rows = head.exact_source[0]
+        picked = rows.index_select(0, torch.as_tensor(np.append(support, k), device=rows.device)).to(torch.float64)
+    else:  # the head's own rows, exact in float64 (the stored rows times their power of two)
+        picked = head.rows64(np.append(support, k))
     exact = [[Fraction(float(v)) for v in row] for row in picked.cpu().numpy()]
     target = exact[-1]
     offsets = [[v - t for v, t in zip(row, target)] for row in exact[:-1]]  # w_i - w_k

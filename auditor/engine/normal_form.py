@@ -97,8 +97,8 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
                 carry: bool = False) -> NormalForm:
     """Rewrite the head (``competitor`` marks one row per group of exact duplicates) in the normal form.
     ``carry``: a float32 head's rows as given may stay as they are, their power of two carried
-    (NormalForm.stored and stored_exponent), where the audit reads few of them (a few tokens' audit);
-    otherwise, and where 2^a W may not be a float32 array, the scaled copy is made here."""
+    (NormalForm.stored and stored_exponent), for the engine head to take where it reads them (the pipeline
+    asks for it); otherwise, and where 2^a W may not be a float32 array, the scaled copy is made here."""
     if bias is not None:
         reference = _lower_median(bias[competitor])
         relative = bias - reference

@@ -110,7 +110,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
         representative = duplicate_groups(weight, bias)  # on the rows as given, before any rounding
     competitor = torch.as_tensor(representative == np.arange(n), device=weight.device)
     # A few tokens of a large head (a vocabulary's added rows): nothing is built for the whole head
-    # before it pays for itself, not even the normal form's scaled copy of the rows (normal_form's carry).
+    # before it pays for itself.
     # The bfloat16 pass (a copy of the head) and the whitened witnesses (its covariance) are left out of
     # the screen, and the rows it leaves first try the centre's basis (settle.CentreRoutes.direct: a pool
     # of 3D rows narrowed to 2D around the centre, and a basis on it), where a mean-initialised row takes a
@@ -119,7 +119,10 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     # convex certificate, as in the whole audit.)
     todo = np.unique(representative[ids])
     few = len(todo) * _FEW_SHARE <= int(competitor.sum()) and options.decide_at_tolerance
-    form = normal_form(weight, bias, domain, competitor, row_error, bias_error, carry=few)
+    # A float32 head stays as given, its power of two carried (normal_form's carry): the stages read it through
+    # EngineHead (rows64, blocks, the screen's products, the bfloat16 copy, the steering products), so no scaled
+    # copy of the whole head is made.
+    form = normal_form(weight, bias, domain, competitor, row_error, bias_error, carry=True)
     head = build_engine_head(form.stored, form.bias, representative, form.domain, options.residual_tol,
                              form.row_error, form.bias_error, form.median, form.facts, form.stored_exponent)
     head.decide_at_tolerance = options.decide_at_tolerance
