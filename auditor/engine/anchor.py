@@ -86,6 +86,9 @@ def anchored_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 4
     dim = lifted_dimension(head)
     for k, j, mu, p in near:
         rest = origin.basis.certificate(k, np.append(p, 1.0), max_pivots=max(dim // 4, 16), own=True)
+        if rest is not None and rest[0].size == 1 and rest[0][0] == k:
+            # p is row k itself (a row at the origin that the origin's basis rests on): pivoted out instead
+            rest = origin.basis.certificate(k, np.append(p, 1.0), max_pivots=max(dim // 4, 16))
         if rest is None:
             continue
         if j < 0:  # w_k itself near the origin: p = w_k, the rest's weights alone

@@ -265,7 +265,7 @@ def _run_batch(head: EngineHead, norm, ids: np.ndarray, start: np.ndarray, itera
             everything[torch.arange(f.numel(), device=device), kf] = -torch.inf
             margin = own - everything.max(dim=1).values
             tolerance = (head.fast_error_factor * ((head.row_norm[kf] + head.max_row_norm) * reach
-                                                   + bias[kf].abs() + head.max_abs_bias) + head.underflow_floor)
+                                                   + bias[kf].abs() + head.max_abs_bias) + head.fast_underflow_floor)
             certified[f] = proves_positive(margin, tolerance)
             # a lower bound of the exact margin at z (derived rows add their error)
             lower = proven_lower(margin, tolerance + derived_error(head, kf, torch.full_like(margin, reach)))

@@ -55,14 +55,15 @@ class Basis:
         self.scale[self.scale == 0] = 1.0  # a coordinate zero on every pool row
         scaled = lifted / self.scale
         position = np.flatnonzero(np.isin(self.pool, start))
+        square = position
         if 0 < position.size < scaled.shape[1]:
             # fewer start rows than D (a reduction that dropped more than it had to): completed from the pool
             # before an SVD of the pool (a minute at D = 4097) is tried (_completed)
-            position = _completed(scaled, position)
-        inverse = _inverse_if_well_conditioned(scaled[position]) if position.size == scaled.shape[1] else None
+            square = _completed(scaled, position)
+        inverse = _inverse_if_well_conditioned(scaled[square]) if square.size == scaled.shape[1] else None
         if inverse is not None:
             # D start rows that span R^D: so does the pool, and the working coordinates are the scaled ones
-            self.span, self.points, self.start = None, scaled, position
+            self.span, self.points, self.start = None, scaled, square
             self.inverse = np.ascontiguousarray(inverse.T)  # of the start's points as columns
             return
         _, sigma, vt = np.linalg.svd(scaled, full_matrices=False)
@@ -140,14 +141,16 @@ class Basis:
         # ill-conditioned basis too (a step shrinks the error by about cond * eps); the best kept
         spread = np.zeros(self.pool.size)  # B w as (pool-sized weights) @ points: no gathered copy of B
         weights = inverse @ target
-        best, size = weights, np.inf
+        best, least = weights, np.inf
         for _ in range(4):
             spread[basis] = weights
             residual = target - spread @ self.points
-            before, size = size, float(np.abs(residual).max())
-            if not size < before / 2:
+            size = float(np.abs(residual).max())
+            if not size < least / 2:  # no longer halving: the better of the last two stands
+                if size < least:
+                    best, least = weights, size
                 break
-            best = weights
+            best, least = weights, size
             weights = weights + inverse @ residual
         weights = np.maximum(best, 0.0)
         keep = weights > 0
@@ -179,9 +182,9 @@ def _inverse_if_well_conditioned(square: np.ndarray) -> np.ndarray | None:
 
 def _completed(points: np.ndarray, chosen: np.ndarray) -> np.ndarray:
     """``chosen`` (positions of rows of the m x D ``points``, fewer than D) and D - |chosen| more rows: the
-    rows of a sample of the others (a few times as many as missing) left farthest outside the span of the
-    chosen, picked by an LU factorisation with partial pivoting of their parts outside it. Whether the D
-    rows are independent enough is for the caller's condition estimate to judge."""
+    rows of a sample of the others (a few times as many as missing) whose parts outside the span of the
+    chosen a pivoted QR picks (each the farthest outside the span of those before it). Whether the D rows
+    are independent enough is for the caller's condition estimate to judge."""
     dim = points.shape[1]
     missing = dim - chosen.size
     others = np.setdiff1d(np.arange(points.shape[0]), chosen)
@@ -191,10 +194,7 @@ def _completed(points: np.ndarray, chosen: np.ndarray) -> np.ndarray:
         np.random.default_rng(0).choice(others, size=4 * missing + 64, replace=False))
     q, _ = np.linalg.qr(points[chosen].T)  # D x |chosen|: an orthonormal basis of their span
     outside = points[sample] - (points[sample] @ q) @ q.T
-    _, pivots, _ = torch.linalg.lu_factor_ex(torch.from_numpy(outside))
-    order = np.arange(sample.size)
-    for i, p in enumerate(pivots.numpy()[:missing] - 1):  # LAPACK's row swaps, in order
-        order[i], order[p] = order[p], order[i]
+    _, order = scipy.linalg.qr(outside.T, pivoting=True, mode="r", check_finite=False)
     return np.sort(np.concatenate([chosen, sample[order[:missing]]]))
 
 

@@ -95,7 +95,7 @@ def _run_batch(head: EngineHead, ids: np.ndarray, start: np.ndarray, iterations:
         # Every iterate is a candidate witness: z = M x wins if its own score beats every rival.
         norm_z = safe_norm(zs, dim=1)
         margin = own - fw_score
-        tolerance = head.fast_error_factor * (head.row_norm[k] + head.max_row_norm) * norm_z + head.underflow_floor
+        tolerance = head.fast_error_factor * (head.row_norm[k] + head.max_row_norm) * norm_z + head.fast_underflow_floor
         certified = proves_positive(margin, tolerance)
         # a lower bound of the exact unit-ball margin of this iterate (derived rows add their error)
         lower = proven_lower(margin, tolerance + derived_error(head, k, norm_z * (1 + gamma(head.d + 8))))

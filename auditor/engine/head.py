@@ -18,7 +18,8 @@ import torch
 from auditor._arrays import row_blocks
 from auditor.domain import Domain
 from auditor.engine.power_of_two import scaled_exactly
-from auditor.engine.rounding import UNIT_ROUNDOFF_32, gamma, logit_error_factor, safe_norm, underflow_floor
+from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF_32, gamma, logit_error_factor, safe_norm,
+                                     underflow_floor)
 
 # The head sizes (n d) from which the screen runs the bfloat16 pass and tries whitened witnesses: below
 # them neither pays for itself. Defaults of EngineOptions and EngineHead, read when those are made.
@@ -211,23 +212,27 @@ class EngineHead:
 
         For search directions only (Frank-Wolfe's vertex choice): every witness
         found this way is checked again with ``logits``. ``fast_error_factor``
-        bounds its error like ``error_factor`` bounds that of ``logits`` (rows stored as 2^a v: the float32
-        products of z with v are those with 2^a v scaled by 2^-a, rounded alike but where they leave
-        float32's normal range; non-finite products take the scaled copy).
+        bounds its error like ``error_factor`` bounds that of ``logits``, with ``fast_underflow_floor`` for
+        the float32 products' underflow (rows stored as 2^a v: the power is taken on z's side where
+        2^a fl32(z) is a float32 array, so the products are those of the scaled rows bit for bit; else the
+        scaled copy is read).
         """
         if self.stored.dtype == torch.float64:
             return z @ self.weight.T
-        if self.exponent:  # z (2^a v)^T = 2^a (z v^T): the same float32 products but for their power of two
-            logits = (z.to(torch.float32) @ self.stored.T).to(torch.float64)
-            if bool(torch.isfinite(logits).all()):
-                return logits.mul_(self.power)
+        if self.exponent:  # fl32(z) (2^a v)^T = (2^a fl32(z)) v^T, where 2^a fl32(z) is itself a float32 array
+            narrow = _on_the_other_side(z, self.exponent)
+            if narrow is not None:
+                return (narrow @ self.stored.T).to(torch.float64)
         return (z.to(self.weight.dtype) @ self.weight.T).to(torch.float64)
 
     def fast_combine(self, alpha: torch.Tensor) -> torch.Tensor:
         """alpha W in the storage's precision, returned as float64 (steering only, like fast_logits)."""
         if self.stored.dtype == torch.float64:
             return alpha @ self.weight
-        if self.exponent:  # alpha (2^a v) = 2^a (alpha v), likewise
+        if self.exponent:  # likewise; else (alpha v) 2^a: the same products but where they leave float32's range
+            narrow = _on_the_other_side(alpha, self.exponent)
+            if narrow is not None:
+                return (narrow @ self.stored).to(torch.float64)
             total = (alpha.to(torch.float32) @ self.stored).to(torch.float64)
             if bool(torch.isfinite(total).all()):
                 return total.mul_(self.power)
@@ -242,6 +247,14 @@ class EngineHead:
         scaled = rows.to(torch.float64).mul_(self.power)
         narrow = scaled.to(rows.dtype)
         return narrow if bool(torch.isfinite(narrow).all()) else self.weight.index_select(0, ids)
+
+    @property
+    def fast_underflow_floor(self) -> float:
+        """What underflow may add to a fast_logits logit: float32's floor for a float32 head, float64's for
+        a float64 one."""
+        if self.stored.dtype == torch.float64:
+            return self.underflow_floor
+        return underflow_floor(self.d, SMALLEST_SUBNORMAL_32) + self.underflow_floor
 
     @property
     def fast_error_factor(self) -> float:
@@ -366,6 +379,20 @@ def _order_statistics(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     smallest, largest = torch.aminmax(block, dim=1)
     return (torch.kthvalue(block, k, dim=1).values.to(torch.float64), largest.to(torch.float64),
             smallest.to(torch.float64))
+
+
+def _on_the_other_side(x: torch.Tensor, exponent: int) -> torch.Tensor | None:
+    """2^exponent fl32(x) as a float32 array, or None where that is not exact (an entry overflows, or
+    leaves float32's normal range where fl32(x)'s did not): then its products with v are those of fl32(x)
+    with 2^exponent v, the same real numbers rounded alike."""
+    narrow = x.to(torch.float32)
+    wide = narrow.to(torch.float64) * math.ldexp(1.0, exponent)
+    moved = wide.to(torch.float32)
+    exact = torch.equal(moved.to(torch.float64), wide) and bool(torch.isfinite(moved).all())
+    tiny = float(torch.finfo(torch.float32).tiny)
+    # a subnormal product on either side rounds on an absolute grid: both sides normal, or both zero
+    normal = bool(((moved.abs() >= tiny) == (narrow.abs() >= tiny)).all())
+    return moved if exact and normal else None
 
 
 def storage_dtype(weight: torch.Tensor) -> torch.dtype:

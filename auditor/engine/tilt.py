@@ -389,9 +389,10 @@ def _heavy_preconditioner(head: EngineHead, pi: torch.Tensor, mean: torch.Tensor
     if head.n < 4 * count:
         return head.precision
     weights, rows = torch.topk(pi, count)
-    heavy = head.stored.index_select(0, rows).to(torch.float32)  # the stored rows: 2^-exponent w_i
-    heavy -= (mean * 2.0**-head.exponent).to(torch.float32)
-    heavy *= (weights.sqrt() * 2.0**head.exponent).to(torch.float32)[:, None]
+    heavy = torch.empty(count, d, dtype=torch.float32, device=head.device)
+    for s in range(0, count, 1024):  # centred and weighted in float64, by blocks, then rounded
+        part = slice(s, min(s + 1024, count))
+        heavy[part] = ((head.rows64(rows[part]) - mean) * weights[part].sqrt()[:, None]).to(torch.float32)
     hessian = (heavy.T @ heavy).to(torch.float64)
     hessian += max(float(1.0 - weights.sum()), 1e-6) * head.covariance
     factor, info = torch.linalg.cholesky_ex(hessian)
