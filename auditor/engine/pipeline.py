@@ -157,10 +157,11 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
         left, threat = _centre_first(routes, out, left, threat)
         if len(left):  # the whitened witnesses where the head's own size calls for them
             left, threat = _whitened(head, out, left, threat, None)
-    elif len(left) and head.bias is None and options.decide_at_tolerance:
+    elif len(left) and head.bias is None and options.decide_at_tolerance and head.n_competitors > 3 * (head.d + 1):
         # The whole audit's mean-initialised rows: the same route, before the interior stage's dense
         # weights (a pass over the head and a float64 check of n rows a token, then a reduction) for rows
-        # that a few pivots settle. Only where a token lies near the centre are the routes built at all.
+        # that a few pivots settle. Only where a token lies near the centre are the routes built at all
+        # (and only on more than 3D rows: the routes draw a pool of 3D, on fewer the centre has no basis).
         near = _near_centre(head, left)
         if near.any():
             routes = CentreRoutes(head)
