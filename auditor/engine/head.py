@@ -17,7 +17,7 @@ import torch
 
 from auditor._arrays import row_blocks
 from auditor.domain import Domain
-from auditor.engine.power_of_two import scaled_exactly
+from auditor.engine.power_of_two import float32_times_power, scaled_exactly
 from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF_32, gamma, logit_error_factor, safe_norm,
                                      underflow_floor)
 
@@ -220,7 +220,7 @@ class EngineHead:
         if self.stored.dtype == torch.float64:
             return z @ self.weight.T
         if self.exponent:  # fl32(z) (2^a v)^T = (2^a fl32(z)) v^T, where 2^a fl32(z) is itself a float32 array
-            narrow = _on_the_other_side(z, self.exponent)
+            narrow = float32_times_power(z, self.exponent)
             if narrow is not None:
                 return (narrow @ self.stored.T).to(torch.float64)
         return (z.to(self.weight.dtype) @ self.weight.T).to(torch.float64)
@@ -230,7 +230,7 @@ class EngineHead:
         if self.stored.dtype == torch.float64:
             return alpha @ self.weight
         if self.exponent:  # likewise; else (alpha v) 2^a: the same products but where they leave float32's range
-            narrow = _on_the_other_side(alpha, self.exponent)
+            narrow = float32_times_power(alpha, self.exponent)
             if narrow is not None:
                 return (narrow @ self.stored).to(torch.float64)
             total = (alpha.to(torch.float32) @ self.stored).to(torch.float64)
@@ -242,11 +242,10 @@ class EngineHead:
         """Some rows in the storage's precision (steering products: bounded_dual's working set), from the stored
         rows and the power of two: no scaled copy of the head."""
         rows = self.stored.index_select(0, ids)
-        if not self.exponent:
+        if not self.exponent or rows.dtype != torch.float32:
             return rows
-        scaled = rows.to(torch.float64).mul_(self.power)
-        narrow = scaled.to(rows.dtype)
-        return narrow if bool(torch.isfinite(narrow).all()) else self.weight.index_select(0, ids)
+        scaled = float32_times_power(rows, self.exponent)
+        return scaled if scaled is not None else self.weight.index_select(0, ids)
 
     @property
     def fast_underflow_floor(self) -> float:
@@ -379,20 +378,6 @@ def _order_statistics(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     smallest, largest = torch.aminmax(block, dim=1)
     return (torch.kthvalue(block, k, dim=1).values.to(torch.float64), largest.to(torch.float64),
             smallest.to(torch.float64))
-
-
-def _on_the_other_side(x: torch.Tensor, exponent: int) -> torch.Tensor | None:
-    """2^exponent fl32(x) as a float32 array, or None where that is not exact (an entry overflows, or
-    leaves float32's normal range where fl32(x)'s did not): then its products with v are those of fl32(x)
-    with 2^exponent v, the same real numbers rounded alike."""
-    narrow = x.to(torch.float32)
-    wide = narrow.to(torch.float64) * math.ldexp(1.0, exponent)
-    moved = wide.to(torch.float32)
-    exact = torch.equal(moved.to(torch.float64), wide) and bool(torch.isfinite(moved).all())
-    tiny = float(torch.finfo(torch.float32).tiny)
-    # a subnormal product on either side rounds on an absolute grid: both sides normal, or both zero
-    normal = bool(((moved.abs() >= tiny) == (narrow.abs() >= tiny)).all())
-    return moved if exact and normal else None
 
 
 def storage_dtype(weight: torch.Tensor) -> torch.dtype:

@@ -79,6 +79,15 @@ def scaled_exactly(t: torch.Tensor, e: int, what: str, centre: torch.Tensor | No
     return result, products
 
 
+def float32_times_power(x: torch.Tensor, e: int) -> torch.Tensor | None:
+    """2^e fl32(x) as a float32 array, or None where that is not exact (an entry overflows or loses bits
+    below the normal range). Then its products with v are those of fl32(x) with 2^e v: the same real numbers,
+    rounded alike, so a product with rows stored as 2^-e w needs no scaled copy of them."""
+    wide = x.to(torch.float32).to(torch.float64) * math.ldexp(1.0, e)  # exact in float64
+    narrow = wide.to(torch.float32)
+    return narrow if bool(torch.isfinite(narrow).all()) and torch.equal(narrow.to(torch.float64), wide) else None
+
+
 def surely_exact(block: torch.Tensor, part: torch.Tensor, e: int, tiny: float, scratch: torch.Tensor) -> bool:
     """Whether ``part`` = ``block`` 2^e was exact for every entry, read off the results: a product with 2^e
     rounds only when it overflows or lands below the normal range (for e < 0, where the input's low bits

@@ -30,7 +30,6 @@ float64 re-check of the reported witness (auditor.verify) passes too.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +38,7 @@ import torch
 from auditor.engine import low_precision
 from auditor.engine.certify import WitnessCheck, check_witnesses_sharpened, derived_error, inside_domain
 from auditor.engine.head import EngineHead
+from auditor.engine.power_of_two import float32_times_power
 from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, float32_towards_zero,
                                      gamma, ieee_float32_products, logit_error_factor, per_unit_norm, proven_lower,
                                      proves_positive, rounded_down, rounded_up, safe_norm, underflow_floor)
@@ -222,9 +222,8 @@ class _Arithmetic:
         rounding exact); else w_k . w_i on the scaled copy (EngineHead.weight), the same numbers again."""
         rows = self.weight.index_select(0, k)
         if self.exponent:
-            wide = rows.to(torch.float64) * math.ldexp(1.0, 2 * self.exponent)  # exact in float64
-            narrow = wide.to(torch.float32)
-            if bool(torch.isfinite(narrow).all()) and torch.equal(narrow.to(torch.float64), wide):
+            narrow = float32_times_power(rows, 2 * self.exponent)
+            if narrow is not None:
                 torch.matmul(narrow, self.weight.T, out=out)
             else:
                 copy = head.weight
