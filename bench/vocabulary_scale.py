@@ -40,6 +40,13 @@ the fine-tuning tools and the released checkpoints leave them:
 - rows swallowed by a slightly longer copy of themselves, w_j = 1.01 w_k:
   the origin lies inside the cloud, so w_k = (w_j + 0.01 * 0) / 1.01 is a convex
   combination of the others: unargmaxable.
+
+``--dtype bfloat16`` audits the head as a bfloat16 checkpoint holds it: every
+row rounded to bfloat16 (the tools' new rows computed in float32 and then
+stored, as they are in a bfloat16 model), the audit given the bfloat16 tensor
+itself. Rounding would move a swallowed row's copy by about 2^-9 of its length,
+more than the 1 % that swallows it, so there the copy is w_j = 2 w_k, exact in
+any binary format; the noisy-mean rows are checked after the rounding.
 """
 
 from __future__ import annotations
@@ -59,9 +66,9 @@ import auditor
 SHAPES = {"gpt2": (50257, 768), "llama3": (128256, 4096), "gemma2": (256000, 2304)}
 
 
-def make_head(n: int, d: int, seed: int = 0):
-    """The synthetic head (float32, n x d), the planted verdicts {id: verdict} and, for the tied groups whose
-    verdict as a group is known, {id: group verdict}."""
+def make_head(n: int, d: int, seed: int = 0, dtype: str = "float32"):
+    """The synthetic head (float32, n x d; with ``dtype`` bfloat16 its values rounded to bfloat16), the planted
+    verdicts {id: verdict} and, for the tied groups whose verdict as a group is known, {id: group verdict}."""
     rng = np.random.default_rng(seed)
     planted_total = max(16, n // 1000)
     n_zero = n_small = n_exact = max(2, planted_total // 16)
@@ -89,7 +96,7 @@ def make_head(n: int, d: int, seed: int = 0):
     for j in range(n_swallow):
         k = int(slots[n_copy + 2 * j])
         longer = int(slots[n_copy + 2 * j + 1] + base // 2)
-        weight[longer] = np.float32(1.01) * weight[k]
+        weight[longer] = np.float32(1.01 if dtype == "float32" else 2.0) * weight[k]
         planted[k] = "unargmaxable"
     reserved = base
     weight[reserved:reserved + n_zero] = 0.0
@@ -121,6 +128,9 @@ def make_head(n: int, d: int, seed: int = 0):
     added += n_exact
     noisy = np.arange(added, added + n_noisy)
     weight[noisy] = (mean + rng.normal(0.0, 1.0 / np.sqrt(d), size=(n_noisy, d))).astype(np.float32)
+    if dtype == "bfloat16":  # the head as a bfloat16 checkpoint stores it, by blocks of rows
+        for s in range(0, n, 8192):
+            weight[s:s + 8192] = torch.from_numpy(weight[s:s + 8192]).to(torch.bfloat16).float().numpy()
     if not all(_leads(weight, noisy, covariance)):
         raise SystemExit("a noisy-mean row does not lead at its own direction: pick another --seed")
     for k in noisy.tolist():
@@ -245,14 +255,11 @@ def main() -> None:
     d = args.width or d
 
     started = time.perf_counter()
-    weight, planted, groups = make_head(n, d, args.seed)
+    weight, planted, groups = make_head(n, d, args.seed, args.dtype)
     build_s = time.perf_counter() - started
-    if args.dtype == "bfloat16":
-        head = torch.from_numpy(weight).to(torch.bfloat16)
-        weight = head.float().numpy()  # the values the audit sees, for the oracles
-        planted = {k: v for k, v in planted.items()}
-    else:
-        head = torch.from_numpy(weight)
+    head = torch.from_numpy(weight)
+    if args.dtype == "bfloat16":  # exact: the values are bfloat16 ones already; ``weight`` stays for the oracles
+        head = head.to(torch.bfloat16)
     head_bytes = head.numel() * head.element_size()
     figures = {"shape": [n, d], "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
                "head_bytes": head_bytes, "planted": len(planted), "build_s": round(build_s, 2)}

@@ -22,8 +22,8 @@ def planted(rng, n=400, d=5):
     return np.vstack([W, inside])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cuda_verdicts_match_qhull_and_the_cpu(dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_cuda_verdicts_match_qhull_and_the_cpu(dtype):  # half-precision heads stay so on the device too
     head = torch.tensor(planted(np.random.default_rng(0)), dtype=dtype)
     exact = head.to(torch.float64).numpy()
     on_gpu = auditor.audit(head.cuda(), device="cuda", progress=False)

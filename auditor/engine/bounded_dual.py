@@ -183,7 +183,7 @@ class _WorkingSet:
         self.head = head
         self.offset = offset  # bias plus row mask, over all n rows
         self.members = torch.zeros(0, dtype=torch.int64, device=head.device)
-        self.rows = head.stored[:0]
+        self.rows = head.stored[:0].to(head.fast_dtype)  # rows_in_storage's precision
         self.position = torch.full((head.n,), -1, dtype=torch.int64, device=head.device)
         self.add(members)
 

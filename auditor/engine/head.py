@@ -1,9 +1,11 @@
 """The head as the engine sees it: its rows on one device, plus what every stage reuses.
 
-The rows are kept in float32 when every entry is a float32 value (float16,
-bfloat16 and float32 heads: the conversion is exact), otherwise in float64.
-Nothing holds a float64 copy of the whole head: the float64 products the
-certificates need are formed by blocks of rows (``logits``, ``combine``).
+The rows are kept as given when they are float16 or bfloat16 (every entry is
+a float32 value: the stages widen a block of rows at a time, exactly, where
+they compute), in float32 when every entry is a float32 value, otherwise in
+float64. Nothing holds a float64 copy of the whole head, nor a float32 copy
+of a half-precision one: the products are formed by blocks of rows
+(``logits``, ``combine``, ``fast_logits``, ``narrow_blocks``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF_32, ga
 # them neither pays for itself. Defaults of EngineOptions and EngineHead, read when those are made.
 BFLOAT16_ENTRIES = 1 << 22
 WHITENED_ENTRIES = 1 << 22
+# Storage kept as given: every entry a float32 value, widened to float32 a block of rows at a time
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -36,7 +40,9 @@ class EngineHead:
     other copies, added to logits so that the copies never count as rivals.
     """
 
-    stored: torch.Tensor  # n x d, float32 when that is exact, else float64: the rows are 2^exponent times these
+    # n x d: float16 or bfloat16 as given, float32 when that is exact, else float64; the rows are 2^exponent
+    # times these (for half-precision ones, 2^exponent times their float32 values, itself a float32 array)
+    stored: torch.Tensor
     bias: torch.Tensor | None  # n, float64
     representative: np.ndarray  # n, smallest id of each row's duplicate group
     competitor: torch.Tensor  # n, bool
@@ -73,15 +79,41 @@ class EngineHead:
 
     @property
     def weight(self) -> torch.Tensor:
-        """The rows (n x d): ``stored``, or with an exponent its scaled copy, made on first use."""
-        if self.exponent == 0:
+        """The rows (n x d) in float32 or float64: ``stored``, or with an exponent (or half-precision storage)
+        its scaled float32 copy, made on first use. The stages read the rows through the methods below, which
+        make no such copy."""
+        if self.exponent == 0 and not self.half:
             return self.stored
         made = [rows for source, exponent, rows in self._scaled_copy if source is self.stored and exponent == self.exponent]
         if made:
             return made[0]
-        rows, _ = scaled_exactly(self.stored, self.exponent, "head")
+        rows, _ = scaled_exactly(self.stored.to(torch.float32) if self.half else self.stored, self.exponent, "head")
         self._scaled_copy.append((self.stored, self.exponent, rows))
         return rows
+
+    @property
+    def half(self) -> bool:
+        """Whether the rows are stored in float16 or bfloat16 (widened by blocks where products are formed)."""
+        return self.stored.dtype in HALF_DTYPES
+
+    @property
+    def fast_dtype(self) -> torch.dtype:
+        """The precision of the fast products (fast_logits, the screen's pass): float32 unless the rows are
+        float64."""
+        return torch.float64 if self.stored.dtype == torch.float64 else torch.float32
+
+    def narrow_blocks(self, scaled: bool, start: int = 0, stop: int | None = None):
+        """(start, stop, float32 rows) over rows start..stop-1 of a half-precision head, a block at a time:
+        the stored rows widened (exact), times 2^exponent with ``scaled`` (exact too: 2^exponent times the
+        widened rows is a float32 array, normal_form's carry)."""
+        stop = self.n if stop is None else stop
+        step = _narrow_rows(self.d)
+        buffer = torch.empty(min(step, max(stop - start, 0)), self.d, dtype=torch.float32, device=self.device)
+        for s in range(start, stop, step):  # one buffer, reused: each block is spent before the next is read
+            e = min(stop, s + step)
+            rows = buffer[:e - s]
+            rows.copy_(self.stored[s:e])
+            yield s, e, rows.mul_(self.power) if scaled and self.exponent else rows
 
     @property
     def max_row_error(self) -> float:
@@ -219,16 +251,32 @@ class EngineHead:
         """
         if self.stored.dtype == torch.float64:
             return z @ self.weight.T
-        if self.exponent:  # fl32(z) (2^a v)^T = (2^a fl32(z)) v^T, where 2^a fl32(z) is itself a float32 array
-            narrow = float32_times_power(z, self.exponent)
-            if narrow is not None:
-                return (narrow @ self.stored.T).to(torch.float64)
+        narrow = float32_times_power(z, self.exponent) if self.exponent else None
+        if self.half:  # by blocks of widened rows: the same products as on a float32 copy of the head
+            left, scaled = (narrow, False) if narrow is not None else (z.to(torch.float32), True)
+            out = torch.empty(z.shape[0], self.n, dtype=torch.float64, device=self.device)
+            for s, e, rows in self.narrow_blocks(scaled):
+                out[:, s:e] = left @ rows.T
+            return out
+        if narrow is not None:  # fl32(z) (2^a v)^T = (2^a fl32(z)) v^T, where 2^a fl32(z) is itself a float32 array
+            return (narrow @ self.stored.T).to(torch.float64)
         return (z.to(self.weight.dtype) @ self.weight.T).to(torch.float64)
 
     def fast_combine(self, alpha: torch.Tensor) -> torch.Tensor:
         """alpha W in the storage's precision, returned as float64 (steering only, like fast_logits)."""
         if self.stored.dtype == torch.float64:
             return alpha @ self.weight
+        if self.half:  # by blocks of widened rows, summed in float32, then times 2^a (as (alpha v) 2^a below)
+            weights = alpha.to(torch.float32)
+            total = torch.zeros(alpha.shape[0], self.d, dtype=torch.float32, device=self.device)
+            for s, e, rows in self.narrow_blocks(False):
+                total.addmm_(weights[:, s:e], rows)
+            if bool(torch.isfinite(total).all()):
+                return total.to(torch.float64).mul_(self.power)
+            total.zero_()  # alpha v left float32's range: on the scaled rows, a float32 array (the carry)
+            for s, e, rows in self.narrow_blocks(True):
+                total.addmm_(weights[:, s:e], rows)
+            return total.to(torch.float64)
         if self.exponent:  # likewise; else (alpha v) 2^a: the same products but where they leave float32's range
             narrow = float32_times_power(alpha, self.exponent)
             if narrow is not None:
@@ -242,10 +290,12 @@ class EngineHead:
         """Some rows in the storage's precision (steering products: bounded_dual's working set), from the stored
         rows and the power of two: no scaled copy of the head."""
         rows = self.stored.index_select(0, ids)
+        if self.half:
+            rows = rows.to(torch.float32)
         if not self.exponent or rows.dtype != torch.float32:
             return rows
         scaled = float32_times_power(rows, self.exponent)
-        return scaled if scaled is not None else self.weight.index_select(0, ids)
+        return scaled if scaled is not None else self.rows64(ids).to(torch.float32)  # exact: the carry's array
 
     @property
     def fast_underflow_floor(self) -> float:
@@ -289,6 +339,12 @@ class EngineHead:
 
 
 _BLOCK_ROWS = 2048  # rows converted to float64 at a time (12 MiB at d = 768)
+
+
+def _narrow_rows(d: int) -> int:
+    """Rows of a half-precision head widened to float32 at a time: 1 MiB, a block that stays in cache while
+    a product reads it."""
+    return max(64, (1 << 18) // max(d, 1))
 _STRICTER = 1 - 2.0**-20
 
 
@@ -340,7 +396,9 @@ def column_statistics(weight: torch.Tensor, competitor: torch.Tensor
 
     def select(first: int) -> None:
         gathered = torch.empty(count * width, dtype=weight.dtype, device=weight.device)
-        columns = torch.empty_like(gathered)
+        # numpy selects on float16 and wider (no bfloat16): a half-precision head's columns are widened, exactly
+        columns = torch.empty(count * width, dtype=torch.float32 if weight.dtype in HALF_DTYPES else weight.dtype,
+                              device=weight.device)
         for s in range(first, min(first + share, d), width):
             wide = min(width, first + share - s, d - s)
             block = gathered[:count * wide].view(count, wide)
@@ -381,9 +439,10 @@ def _order_statistics(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def storage_dtype(weight: torch.Tensor) -> torch.dtype:
-    """float32 when every entry of the head is a float32 value, else float64."""
+    """The head's own dtype when it is float16, bfloat16 or float32 (the stages widen half-precision rows
+    by blocks, exactly); float32 for a float64 head whose every entry is a float32 value, else float64."""
     if weight.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        return torch.float32
+        return weight.dtype
     for s in range(0, weight.shape[0], _BLOCK_ROWS):
         block = weight[s:s + _BLOCK_ROWS]
         if not torch.equal(block.to(torch.float32).to(torch.float64), block):
@@ -432,8 +491,9 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
     caller has them already (the normal form, which moved the median it found exactly and measured the rows
     on its own passes). With an ``exponent`` (float32 rows only, with their facts) the head's rows are
     2^exponent ``weight``."""
-    if exponent and (facts is None or facts.centre_logits is None or weight.dtype != torch.float32):
-        raise ValueError("an exponent needs float32 rows and the scaled rows' facts")
+    if exponent and (facts is None or facts.centre_logits is None
+                     or weight.dtype not in (torch.float32,) + HALF_DTYPES):
+        raise ValueError("an exponent needs float32 (or half-precision) rows and the scaled rows' facts")
     device = weight.device
     competitor_np = representative == np.arange(representative.shape[0])
     competitor = torch.as_tensor(competitor_np, device=device)
@@ -447,7 +507,8 @@ def build_engine_head(weight: torch.Tensor, bias: torch.Tensor | None, represent
     # rows exactly at the median keep 0: their differences with each other are exact zeros
     spread_norm = torch.where(distance > 0, distance * (1 + gamma(weight.shape[1] + 2)) + underflow_floor(weight.shape[1]),
                               distance)
-    witness_centre = centre.to(weight.dtype).to(torch.float64)  # a float32 head's screen uses it as it is
+    # a float32 (or half-precision) head's screen uses it as it is, in float32
+    witness_centre = centre.to(torch.float64 if weight.dtype == torch.float64 else torch.float32).to(torch.float64)
     centre_logits = facts.centre_logits
     if centre_logits is None:
         centre_logits = torch.empty(weight.shape[0], dtype=torch.float64, device=device)

@@ -27,6 +27,9 @@ rounding bound) into one whose numbers sit near 1:
   head is translated when every difference is a float32 value, and through
   a float64 copy when its rows share an offset far larger than their spread
   (``_OFFSET_RATIO``); otherwise it stays as given, its own float32 rows.
+  A float16 or bfloat16 head is the float32 head of its values: carried, it
+  stays in its own storage (the engine head widens blocks of it where it
+  computes); otherwise its scaled copy is a float32 one.
 
 Ties are found on the rows as given, before any rounding.
 """
@@ -42,7 +45,7 @@ import torch
 from auditor._arrays import row_blocks
 from auditor.domain import Domain
 from auditor.engine.decisions import INCONCLUSIVE, Decisions
-from auditor.engine.head import EngineHead, RowFacts, column_statistics
+from auditor.engine.head import HALF_DTYPES, EngineHead, RowFacts, column_statistics
 from auditor.engine.power_of_two import cache_rows, centre_products, halves, power, scaled_exactly, times_power_of_two
 from auditor.engine.rounding import gamma, safe_norm
 
@@ -73,9 +76,10 @@ class NormalForm:
 
     @property
     def weight(self) -> torch.Tensor:
-        """The rows 2^a (W - translation), float32 when that is exact, else float64: a scaled copy of ``stored``
-        when it has an exponent (then always float32)."""
-        return scaled_exactly(self.stored, self.stored_exponent, "head")[0] if self.stored_exponent else self.stored
+        """The rows 2^a (W - translation), float32 when that is exact, else float64: a scaled (or widened) copy of
+        ``stored`` when it has an exponent (then always float32) or is half-precision."""
+        stored = self.stored.to(torch.float32) if self.stored.dtype in HALF_DTYPES else self.stored
+        return scaled_exactly(stored, self.stored_exponent, "head")[0] if self.stored_exponent else stored
 
     def given_length(self, length: float) -> float:
         """A distance between rows of the normal form, in the units of the rows as given."""
@@ -96,7 +100,7 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
                 row_error: torch.Tensor | None = None, bias_error: torch.Tensor | None = None,
                 carry: bool = False) -> NormalForm:
     """Rewrite the head (``competitor`` marks one row per group of exact duplicates) in the normal form.
-    ``carry``: a float32 head's rows as given may stay as they are, their power of two carried
+    ``carry``: a float32 (or float16, bfloat16) head's rows as given may stay as they are, their power of two carried
     (NormalForm.stored and stored_exponent), for the engine head to take where it reads them (the pipeline
     asks for it); otherwise, and where 2^a W may not be a float32 array, the scaled copy is made here."""
     if bias is not None:
@@ -176,8 +180,9 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
         if carry and translation is None and math.ldexp(largest_entry, a) <= float(torch.finfo(torch.float32).max):
             products, least = centre_products(weight, centre_of_rows, a)
             carried = a >= 0 or math.ldexp(least, a) >= float(torch.finfo(torch.float32).tiny)
-        if not carried:
-            weight, products = scaled_exactly(weight, a, "head", centre_of_rows)
+        if not carried:  # a half-precision head is widened to float32 first (exactly), its range being float32's
+            weight, products = scaled_exactly(weight.to(torch.float32) if weight.dtype in HALF_DTYPES else weight, a,
+                                              "head", centre_of_rows)
         stored_exponent = a if carried else 0
         facts = RowFacts(norm=times_power_of_two(row_norm, ratio), distance=times_power_of_two(facts.distance, ratio),
                          centre=centre_of_rows, centre_logits=products)

@@ -180,10 +180,11 @@ class _Arithmetic:
         finite = head.bias is None or head.max_abs_bias <= 2.0**60
         in_range = 2.0**-40 <= head.typical_spread and head.max_row_norm <= 2.0**40 and finite
         large = head.n * head.d >= _LARGE_HEAD
-        stored32 = head.stored.dtype == torch.float32
+        stored32 = head.stored.dtype != torch.float64  # float32, or float16 / bfloat16 widened by blocks
         self.dtype = torch.float32 if (stored32 or large) and in_range else torch.float64
         # A float32 head is its own stored rows, its power of two taken on the tokens' side (gram); one out of
         # range is screened in float64.
+        self.half = head.half and self.dtype == torch.float32
         if self.dtype == torch.float32 and stored32:
             self.weight, self.exponent = head.stored, head.exponent
         else:
@@ -221,6 +222,15 @@ class _Arithmetic:
         2^2a v_k = 2^a w_k is itself a float32 array (checked: scaled in float64, it is finite and its float32
         rounding exact); else w_k . w_i on the scaled copy (EngineHead.weight), the same numbers again."""
         rows = self.weight.index_select(0, k)
+        if self.half:  # the rows widened block by block: the products of a float32 copy, without the copy
+            rows = rows.to(torch.float32)
+            left = float32_times_power(rows, 2 * self.exponent) if self.exponent else rows
+            scaled = left is None
+            if scaled:  # 2^a v_k on the left and 2^a v_i on the right: both float32 arrays (the carry)
+                left = head.rows_in_storage(k)
+            for s, e, block in head.narrow_blocks(scaled):
+                out[:, s:e] = left @ block.T
+            return
         if self.exponent:
             narrow = float32_times_power(rows, 2 * self.exponent)
             if narrow is not None:

@@ -1,0 +1,163 @@
+"""A float16 or bfloat16 head, as checkpoints ship it, stays in its own storage in the engine: every stage
+widens a block of rows at a time (exactly) where it computes, and no float32 copy of the whole head is made.
+Its readings are those of the float32 head of the same values; its fast products keep the float32 rounding
+bound; its audit answers as its float32 cast's does."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+import auditor
+from auditor.domain import Unbounded
+from auditor.engine import head as head_module
+from auditor.engine.head import build_engine_head
+from auditor.engine.normal_form import normal_form
+from auditor.engine.screen import screen
+from auditor.engine.ties import duplicate_groups
+from oracles import lp_margin
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+def _engine_head(weight: torch.Tensor):
+    """The engine head as the pipeline builds it (the normal form's carry)."""
+    representative = duplicate_groups(weight, None)
+    form = normal_form(weight, None, Unbounded(), torch.as_tensor(representative == np.arange(len(weight))),
+                       carry=True)
+    return build_engine_head(form.stored, form.bias, representative, form.domain, 1e-10, form.row_error,
+                             form.bias_error, form.median, form.facts, form.stored_exponent)
+
+
+def _half_and_twin(rng, dtype, n=300, d=12, scale=1.0):
+    """The engine head of a half-precision head, and the same head with its rows widened to float32 (the same
+    exponent: 2^a times them is a float32 array, the carry)."""
+    rows = torch.from_numpy(rng.standard_normal((n, d)) * scale).to(dtype)
+    head = _engine_head(rows)
+    return head, replace(head, stored=head.stored.to(torch.float32), _scaled_copy=[])
+
+
+def _exact_logits(head, z: torch.Tensor) -> np.ndarray:
+    """z W^T for the rows 2^a v, in exact rationals' stead float64 with the entries exact and d small: the
+    float64 rounding is below 2^-50 of |z| |w_i|, far under the float32 bound checked against it."""
+    rows = head.stored.to(torch.float64).numpy() * 2.0**head.exponent
+    return z.numpy() @ rows.T
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("scale", [2.0**-12, 2.0**10])  # exponents a > 0 and a < 0, in float16's range too
+def test_a_half_precision_head_stays_as_given_and_reads_as_its_float32_values(rng, dtype, scale):
+    head, twin = _half_and_twin(rng, dtype, scale=scale)
+    assert head.stored.dtype == dtype and head.half and head.exponent != 0
+    ids = rng.choice(head.n, size=17, replace=False)
+    assert torch.equal(head.rows64(ids), twin.rows64(ids))
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(head.blocks(), twin.blocks()))
+    z = torch.from_numpy(rng.standard_normal((3, head.d)))
+    assert torch.equal(head.logits(z), twin.logits(z))
+    alpha = torch.from_numpy(rng.random((2, head.n)))
+    assert torch.equal(head.combine(alpha), twin.combine(alpha))
+    w = head.rows64([5])[0]
+    assert torch.equal(head.combine_offsets(alpha[0], w), twin.combine_offsets(alpha[0], w))
+    k = torch.as_tensor(ids)
+    assert head.rows_in_storage(k).dtype == torch.float32
+    assert torch.equal(head.rows_in_storage(k), twin.rows_in_storage(k))
+    assert head.fast_error_factor == twin.fast_error_factor
+    assert head.fast_underflow_floor == twin.fast_underflow_floor
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("scale", [2.0**-12, 2.0**10])
+def test_the_fast_products_of_a_half_precision_head_keep_the_float32_bound(rng, dtype, scale):
+    """fast_logits, by blocks of widened rows, within fast_error_factor |w_i| |z| + fast_underflow_floor of the
+    exact products, as a float32 head's; a product through a narrower format (rows or z in bfloat16) misses it
+    by orders of magnitude. fast_combine (steering) near the twin's."""
+    head, twin = _half_and_twin(rng, dtype, n=3000, d=96, scale=scale)
+    z = torch.from_numpy(rng.standard_normal((5, head.d)) / scale)
+    found = head.fast_logits(z).numpy()
+    exact = _exact_logits(head, z)
+    bound = (head.fast_error_factor * head.row_norm.numpy()[None, :] * torch.linalg.vector_norm(z, dim=1).numpy()[:, None]
+             + head.fast_underflow_floor)
+    assert np.all(np.abs(found - exact) <= bound)
+    assert np.abs(found - exact).max() > 0  # float32 rounding is there to bound
+    coarse = (z.to(torch.bfloat16).to(torch.float64).numpy() @ head.stored.to(torch.float64).numpy().T
+              * 2.0**head.exponent)
+    assert not np.all(np.abs(coarse - exact) <= bound)  # the test can tell a narrower product apart
+    alpha = torch.from_numpy(rng.random((2, head.n)) / head.n)
+    size = alpha @ head.rows64(np.arange(head.n)).abs()  # sum_i alpha_i |w_ij|: what float32 sums round against
+    assert bool(((head.fast_combine(alpha) - twin.fast_combine(alpha)).abs() <= 1e-5 * size).all())
+
+
+@pytest.mark.parametrize("dtype,scale", [(torch.bfloat16, 1.0), (torch.float16, 2.0**-6),
+                                         (torch.bfloat16, 2.0**-80), (torch.bfloat16, 2.0**70)])
+def test_the_screen_of_a_half_precision_head_certifies_what_its_float32_values_do(rng, dtype, scale):
+    """Also where 2^2a v_k leaves float32 (rows near 2^-80 or 2^70): the rows' power is taken on both sides."""
+    head, twin = _half_and_twin(rng, dtype, scale=scale)
+    ids = np.arange(head.n)
+    found, expected = screen(head, ids), screen(twin, ids)
+    assert found.certified.any() and not found.certified.all()
+    assert np.array_equal(found.certified, expected.certified)
+    assert np.array_equal(found.runner_up, expected.runner_up)
+    assert np.allclose(found.margin[found.certified], expected.margin[found.certified], rtol=1e-5, atol=0)
+
+
+def _planted(rng, n=2000, d=24) -> np.ndarray:
+    """Rows of a head as the fine-tuning tools leave them: mean-initialised ones, a shrunk copy, zeros."""
+    W = (rng.standard_normal((n, d)) * 0.03).astype(np.float32)
+    W[n - 10:n - 7] = W[:n - 10].mean(axis=0) + rng.standard_normal((3, d)).astype(np.float32) * 1e-6
+    W[n - 7] = np.float32(2.0**-10) * W[7]
+    W[n - 6:n - 4] = 0.0
+    return W
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_half_precision_audit_makes_no_float32_copy_and_answers_as_its_float32_cast(rng, dtype, monkeypatch):
+    """The whole audit (the bfloat16 pass and the whitened witnesses switched on at this size), the engine head
+    kept in the head's own dtype, its scaled float32 copy never made; the verdicts those of the float32 cast's
+    audit, the planted rows' those of the LP over all rows, and every certificate verified."""
+    n = 2000
+    head = torch.from_numpy(_planted(rng, n)).to(dtype)
+    options = {"progress": False, "bfloat16_entries": 0, "whitened_entries": 0}
+    cast = auditor.audit(head.float(), **options)
+
+    seen = []
+    build = head_module.build_engine_head
+
+    def recording(weight, *args, **kwargs):
+        seen.append(weight.dtype)
+        return build(weight, *args, **kwargs)
+
+    copy = head_module.EngineHead.weight.fget
+
+    def refuse(self):
+        if self.half:
+            raise AssertionError("a float32 copy of the half-precision head was made")
+        return copy(self)
+
+    from auditor.engine import pipeline
+    monkeypatch.setattr(pipeline, "build_engine_head", recording)
+    monkeypatch.setattr(head_module.EngineHead, "weight", property(refuse))
+    report = auditor.audit(head, **options)
+    assert seen == [dtype]
+    verdicts = [report.tokens[k].verdict for k in range(n)]
+    assert verdicts == [cast.tokens[k].verdict for k in range(n)]
+    W64 = head.to(torch.float64).numpy()
+    for k in range(n - 10, n - 6):
+        assert verdicts[k] == "unargmaxable" and lp_margin(W64, None, k)[0] <= 1e-9
+    assert verdicts[n - 6] == "tied" and report.tokens[n - 6].group_verdict == "unargmaxable"
+    assert report.counts["inconclusive"] == 0
+    assert auditor.verify(report, head).ok
+
+
+def test_a_half_precision_head_whose_scaled_rows_leave_float32_s_range_is_widened_and_answers_alike(rng):
+    """One entry of 2^-120 among entries near 2^10: 2^a v is subnormal in float32 there, so the carry does not
+    hold; the normal form widens the head (float32, and float64 where the scaling needs it), as for its
+    float32 cast, and the verdicts agree."""
+    W = (rng.standard_normal((300, 12)) * 2.0**10).astype(np.float32)
+    W[3, 4] = np.float32(2.0**-120)
+    head = torch.from_numpy(W).to(torch.bfloat16)
+    engine = _engine_head(head)
+    assert not engine.half and engine.exponent == 0
+    found, cast = auditor.audit(head, progress=False), auditor.audit(head.float(), progress=False)
+    assert [t.verdict for t in found.tokens] == [t.verdict for t in cast.tokens]
+    assert found.counts["inconclusive"] == 0 and auditor.verify(found, head).ok
