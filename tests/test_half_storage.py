@@ -66,14 +66,23 @@ def test_a_half_precision_head_stays_as_given_and_reads_as_its_float32_values(rn
     assert head.fast_underflow_floor == twin.fast_underflow_floor
 
 
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("scale", [2.0**-12, 2.0**10])
-def test_the_fast_products_of_a_half_precision_head_keep_the_float32_bound(rng, dtype, scale):
+@pytest.mark.parametrize("dtype,scale,tiny", [(torch.bfloat16, 2.0**-12, False), (torch.float16, 2.0**-12, False),
+                                              (torch.bfloat16, 2.0**10, False), (torch.float16, 2.0**10, False),
+                                              (torch.bfloat16, 2.0**10, True), (torch.bfloat16, 2.0**-131, False)])
+def test_the_fast_products_of_a_half_precision_head_keep_the_float32_bound(rng, dtype, scale, tiny, monkeypatch):
     """fast_logits, by blocks of widened rows, within fast_error_factor |w_i| |z| + fast_underflow_floor of the
     exact products, as a float32 head's; a product through a narrower format (rows or z in bfloat16) misses it
-    by orders of magnitude. fast_combine (steering) near the twin's."""
+    by orders of magnitude. fast_combine (steering) near the twin's. With an entry of z near 2^-120 (``tiny``)
+    2^a fl32(z) is no float32 array and the rows are scaled instead; so they are at 2^-131, where 2^a itself
+    (a = 129 or so) is no float32 number."""
     head, twin = _half_and_twin(rng, dtype, n=3000, d=96, scale=scale)
-    z = torch.from_numpy(rng.standard_normal((5, head.d)) / scale)
+    z = torch.from_numpy(rng.standard_normal((5, head.d)))  # the normal form's units: its rows' spread is about 1
+    if tiny:
+        z[:, 0] = (1 + 2.0**-20) * 2.0**-120  # 2^a times it is a subnormal float32 with bits to lose
+    scaled = []
+    blocks = head_module.EngineHead.narrow_blocks
+    monkeypatch.setattr(head_module.EngineHead, "narrow_blocks",
+                        lambda self, on, *a: scaled.append(on) or blocks(self, on, *a))
     found = head.fast_logits(z).numpy()
     exact = _exact_logits(head, z)
     bound = (head.fast_error_factor * head.row_norm.numpy()[None, :] * torch.linalg.vector_norm(z, dim=1).numpy()[:, None]
@@ -83,22 +92,30 @@ def test_the_fast_products_of_a_half_precision_head_keep_the_float32_bound(rng, 
     coarse = (z.to(torch.bfloat16).to(torch.float64).numpy() @ head.stored.to(torch.float64).numpy().T
               * 2.0**head.exponent)
     assert not np.all(np.abs(coarse - exact) <= bound)  # the test can tell a narrower product apart
+    assert scaled[0] == (tiny or scale == 2.0**-131)  # the branch meant
     alpha = torch.from_numpy(rng.random((2, head.n)) / head.n)
     size = alpha @ head.rows64(np.arange(head.n)).abs()  # sum_i alpha_i |w_ij|: what float32 sums round against
     assert bool(((head.fast_combine(alpha) - twin.fast_combine(alpha)).abs() <= 1e-5 * size).all())
 
 
 @pytest.mark.parametrize("dtype,scale", [(torch.bfloat16, 1.0), (torch.float16, 2.0**-6),
-                                         (torch.bfloat16, 2.0**-80), (torch.bfloat16, 2.0**70)])
-def test_the_screen_of_a_half_precision_head_certifies_what_its_float32_values_do(rng, dtype, scale):
-    """Also where 2^2a v_k leaves float32 (rows near 2^-80 or 2^70): the rows' power is taken on both sides."""
+                                         (torch.bfloat16, 2.0**-80), (torch.bfloat16, 2.0**70),
+                                         (torch.bfloat16, 2.0**-131)])
+def test_the_screen_of_a_half_precision_head_certifies_what_its_float32_values_do(rng, dtype, scale, monkeypatch):
+    """Also where 2^2a v_k leaves float32 (rows near 2^-131, a = 129 or so: 2^a is no float32 number either):
+    the rows' power is then taken on both sides."""
     head, twin = _half_and_twin(rng, dtype, scale=scale)
+    scaled = []
+    blocks = head_module.EngineHead.narrow_blocks
+    monkeypatch.setattr(head_module.EngineHead, "narrow_blocks",
+                        lambda self, on, *a: scaled.append(on) or blocks(self, on, *a))
     ids = np.arange(head.n)
     found, expected = screen(head, ids), screen(twin, ids)
     assert found.certified.any() and not found.certified.all()
     assert np.array_equal(found.certified, expected.certified)
     assert np.array_equal(found.runner_up, expected.runner_up)
     assert np.allclose(found.margin[found.certified], expected.margin[found.certified], rtol=1e-5, atol=0)
+    assert scaled and all(on == (scale == 2.0**-131) for on in scaled)  # the branch meant
 
 
 def _planted(rng, n=2000, d=24) -> np.ndarray:
@@ -161,3 +178,62 @@ def test_a_half_precision_head_whose_scaled_rows_leave_float32_s_range_is_widene
     found, cast = auditor.audit(head, progress=False), auditor.audit(head.float(), progress=False)
     assert [t.verdict for t in found.tokens] == [t.verdict for t in cast.tokens]
     assert found.counts["inconclusive"] == 0 and auditor.verify(found, head).ok
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("domain,biased", [("unbounded", True), ("ball:3", True), ("ball:3", False)])
+def test_a_half_precision_head_with_a_bias_or_in_a_ball_answers_as_its_float32_cast(rng, dtype, domain, biased):
+    """The bias's stages and the bounded dual (its working set of widened rows, the steering products)."""
+    W = _planted(rng, n=600, d=10)
+    head = torch.from_numpy(W).to(dtype)
+    bias = rng.standard_normal(600) * 0.01 if biased else None
+    found = auditor.audit(head, bias, domain=domain, progress=False)
+    cast = auditor.audit(head.float(), bias, domain=domain, progress=False)
+    assert [t.verdict for t in found.tokens] == [t.verdict for t in cast.tokens]
+    assert found.counts["unargmaxable"] + found.counts["tied"] > 0
+    assert auditor.verify(found, head, bias).ok
+
+
+def test_a_bfloat16_head_far_from_the_origin_is_translated_in_float32(rng):
+    """Rows sharing an offset far larger than their spread are translated (the normal form's rule), into float32
+    where every difference is a float32 value, as its float32 cast's are: not into a float64 copy."""
+    W = (rng.standard_normal((300, 12)) * 2.0**-4).astype(np.float32) + np.float32(20.0)
+    head = torch.from_numpy(W).to(torch.bfloat16)
+    engine = _engine_head(head)
+    assert engine.stored.dtype == torch.float32
+    found, cast = auditor.audit(head, progress=False), auditor.audit(head.float(), progress=False)
+    assert [t.verdict for t in found.tokens] == [t.verdict for t in cast.tokens]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_a_little_off_the_centre_take_the_centre_pool_and_one_elimination(rng, dtype, monkeypatch):
+    """Mean-initialised rows as a bfloat16 checkpoint stores them sit tens of times further from the centre
+    than float32 ones, beyond the reach of the centre's basis in a few pivots: rows planted 0.06 from the centre
+    in the head's covariance metric (the reach is 0.25 / sqrt(D) = 0.031 here) take the centre pool's
+    maximum-entropy weights and one elimination (CentreRoutes.pooled), no dense certificate; unargmaxable as the
+    LP over all rows says, on at most D rows, every certificate verified."""
+    from auditor.engine import settle
+
+    n, d = 1200, 64
+    W = (rng.standard_normal((n, d)) * np.linspace(0.3, 1.5, d)).astype(np.float32)
+    mean, covariance = W[:n - 4].astype(np.float64).mean(axis=0), np.cov(W[:n - 4].T.astype(np.float64), bias=True)
+    factor = np.linalg.cholesky(covariance)
+    for k in range(n - 4, n):
+        u = rng.standard_normal(d)
+        W[k] = (mean + 0.06 * factor @ (u / np.linalg.norm(u))).astype(np.float32)
+    head = torch.from_numpy(W).to(dtype)
+    pooled, route = [], settle.CentreRoutes.pooled
+    def recording(self, ks):
+        found = route(self, ks)
+        pooled.extend(found)  # the tokens the route settled
+        return found
+
+    monkeypatch.setattr(settle.CentreRoutes, "pooled", recording)
+    report = auditor.audit(head, progress=False)
+    W64 = head.to(torch.float64).numpy()
+    assert sorted(pooled) == list(range(n - 4, n))
+    for k in range(n - 4, n):
+        token = report.tokens[k]
+        assert token.verdict == "unargmaxable" and lp_margin(W64, None, k)[0] <= 1e-9
+        assert token.convex_indices.size <= d + 1
+    assert auditor.verify(report, head).ok

@@ -89,3 +89,33 @@ def test_a_lone_point_s_solve_reaches_the_weights_of_the_head_s_preconditioner(r
     assert torch.all(pi > 0)
     assert float((pi - reference).abs().max()) <= 1e-9 * float(reference.max())
     assert float(torch.linalg.vector_norm(pi[0] @ W)) <= 1e-12
+
+
+@pytest.mark.parametrize("distance", [0.05, 0.3, 0.7])
+def test_the_pool_s_shared_start_reaches_the_weights_of_fresh_hessians(distance, monkeypatch):
+    """A start shared by a pool's targets (the Cholesky factor of its covariance, the Hessian at theta = 0 up to
+    the offsets' scale) changes the path, not the answer: the maximum-entropy weights are unique, and both
+    reproduce the target. Near the pool's centre (a mean-initialised row) no fresh Hessian is formed at all;
+    further out fresh ones take over."""
+    import torch
+
+    from auditor.engine.caratheodory import pool_start
+
+    rng = np.random.default_rng(7)
+    d = 64
+    pool = rng.standard_normal((2 * (d + 1), d)) * np.linspace(0.2, 2.0, d)
+    direction = rng.standard_normal(d)
+    target = pool.mean(axis=0) + distance * direction / np.linalg.norm(direction / np.linspace(0.2, 2.0, d))
+    start = pool_start(pool)
+    assert start is not None
+    factorise, hessians = torch.linalg.cholesky_ex, []
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda *a, **k: hessians.append(1) or factorise(*a, **k))
+    shared = _maximum_entropy(pool, target, start=start)
+    if distance <= 0.05:
+        assert not hessians
+    fresh = _maximum_entropy(pool, target)
+    assert shared is not None and fresh is not None
+    assert np.abs(shared - fresh).max() <= 1e-9 * fresh.max()
+    scale = np.abs(pool - target).max()
+    assert np.abs(shared @ pool - target).max() <= 1e-12 * scale
+    assert _maximum_entropy(pool, pool.max(axis=0) + 1.0, start=start) is None  # outside: still None

@@ -177,7 +177,8 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
     return union[survive], alpha[survive] / alpha[survive].sum()
 
 
-def _maximum_entropy(points: np.ndarray, target: np.ndarray, iterations: int = 60) -> np.ndarray | None:
+def _maximum_entropy(points: np.ndarray, target: np.ndarray, iterations: int = 60,
+                     start: torch.Tensor | None = None) -> np.ndarray | None:
     """Weights pi_i proportional to exp(theta . x_i), all positive, with sum pi_i x_i = target, by Newton's
     method on F(theta) = log sum exp(theta . (x_i - target)) from theta = 0 (see tilt.py, which does the
     same over a whole head). None when it does not converge: the target is not inside the hull.
@@ -191,21 +192,28 @@ def _maximum_entropy(points: np.ndarray, target: np.ndarray, iterations: int = 6
     directions can carry theta where the gradient stalls, on points nearly collinear in some coordinates,
     and a float32 Hessian of a singular one may be indefinite). The Hessian and
     its factors are torch's (on the CPU's audit threads: numpy's BLAS runs on one during an audit,
-    auditor/_threads.py); the O(m D) steps are numpy's, whose small operations cost less than torch's."""
+    auditor/_threads.py); the O(m D) steps are numpy's, whose small operations cost less than torch's.
+
+    ``start``: a Cholesky factor of the covariance of ``points`` (uniform weights), shared by the targets
+    that use one pool. The Hessian at theta = 0 is that covariance divided by the scale of the offsets,
+    whatever the target, so the first steps of a target near the pool's centre take it as chord steps
+    (O(m D) each) and a fresh Hessian is formed only where they stall."""
     offsets = np.subtract(points, target)  # one m x D array, scaled in place: fresh arrays cost page faults
     scale = max(float(offsets.max()), -float(offsets.min())) or 1.0
     offsets /= scale
     shared = torch.from_numpy(offsets)  # the same numbers, for the Hessian
-    found = _entropy_newton(offsets, shared.to(torch.float32), min(iterations, _FLOAT32_HESSIANS))
-    return found if found is not None else _entropy_newton(offsets, shared, iterations)
+    first = start / scale if start is not None else None
+    found = _entropy_newton(offsets, shared.to(torch.float32), min(iterations, _FLOAT32_HESSIANS), first)
+    return found if found is not None else _entropy_newton(offsets, shared, iterations, first)
 
 
 _FLOAT32_HESSIANS = 8  # the float32 attempt's Hessians: a pool around the centre of a real head takes 3
 
 
-def _entropy_newton(offsets: np.ndarray, rows: torch.Tensor, iterations: int) -> np.ndarray | None:
+def _entropy_newton(offsets: np.ndarray, rows: torch.Tensor, iterations: int,
+                    start: torch.Tensor | None = None) -> np.ndarray | None:
     """_maximum_entropy's Newton's method from theta = 0, its Hessians formed on ``rows`` (the offsets in float32
-    or float64)."""
+    or float64); ``start``, a Cholesky factor of the Hessian at theta = 0, for the first (chord) steps."""
     narrow = rows.dtype == torch.float32
     theta = np.zeros(offsets.shape[1])
     identity = torch.eye(offsets.shape[1], dtype=torch.float64)
@@ -218,7 +226,8 @@ def _entropy_newton(offsets: np.ndarray, rows: torch.Tensor, iterations: int) ->
         return pi / total, top + np.log(total)
 
     pi, current = weights(theta)
-    factor, hessians, previous = None, 0, np.inf
+    factor, hessians, previous = start, 0, np.inf
+    hessian = None
     for _ in range(4 * iterations):
         gradient = pi @ offsets
         size = float(np.abs(gradient).max())
@@ -239,6 +248,9 @@ def _entropy_newton(offsets: np.ndarray, rows: torch.Tensor, iterations: int) ->
         previous = size
         step = (torch.cholesky_solve(torch.from_numpy(gradient)[:, None], factor)[:, 0].numpy()
                 if factor is not None else None)
+        if (step is None or not np.all(np.isfinite(step))) and hessian is None:  # the shared start failed:
+            factor, previous = None, np.inf  # a fresh Hessian next
+            continue
         if step is None or not np.all(np.isfinite(step)):  # singular: not positive definite, or NaN
             step = np.linalg.lstsq(hessian.numpy(), gradient, rcond=None)[0]
             factor = None
@@ -261,6 +273,34 @@ def _entropy_newton(offsets: np.ndarray, rows: torch.Tensor, iterations: int) ->
         theta = theta - eta * step
         pi, current = trial_pi, trial
     return _converged(pi, offsets)
+
+
+def pool_start(points: np.ndarray) -> torch.Tensor | None:
+    """A Cholesky factor of the covariance of ``points`` (m x D, float64; uniform weights, a tiny ridge as the
+    Hessians take): _maximum_entropy's ``start`` for the targets of one pool. None where it fails."""
+    rows = torch.from_numpy(points)
+    centred = rows - rows.mean(dim=0)
+    covariance = (centred.T @ centred) / points.shape[0]
+    del centred
+    ridge = 1e-14 * float(covariance.trace()) * torch.eye(points.shape[1], dtype=torch.float64)
+    factor, info = torch.linalg.cholesky_ex(covariance + ridge)
+    return factor if int(info) == 0 else None
+
+
+def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
+                     start: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Weights on at most D of the pool's rows (``points`` their lifted points) reproducing token k's row: the
+    maximum-entropy weights on the pool (all positive where the row lies inside the pool's hull) and one
+    elimination. No dense certificate first: for a row near the pool's centre (a mean-initialised row rounded
+    to bfloat16) this is the work of one elimination on 2D rows. None when the pool does not surround the row."""
+    others = pool.indices != k
+    target = lifted_points(head, np.array([k]))[0, :-1]
+    spread = _maximum_entropy(points[others, :-1], target, start=start)
+    if spread is None:
+        return None
+    alpha = eliminate(points[others], spread)
+    survive = alpha > 0
+    return pool.indices[others][survive], alpha[survive] / alpha[survive].sum()
 
 
 def _converged(pi: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:

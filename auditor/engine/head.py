@@ -112,8 +112,11 @@ class EngineHead:
         for s in range(start, stop, step):  # one buffer, reused: each block is spent before the next is read
             e = min(stop, s + step)
             rows = buffer[:e - s]
-            rows.copy_(self.stored[s:e])
-            yield s, e, rows.mul_(self.power) if scaled and self.exponent else rows
+            if scaled and self.exponent:  # 2^a in float64, where it is a number whatever a (not so in float32)
+                rows.copy_(self.stored[s:e].to(torch.float64).mul_(self.power))
+            else:
+                rows.copy_(self.stored[s:e])
+            yield s, e, rows
 
     @property
     def max_row_error(self) -> float:
@@ -266,11 +269,14 @@ class EngineHead:
         """alpha W in the storage's precision, returned as float64 (steering only, like fast_logits)."""
         if self.stored.dtype == torch.float64:
             return alpha @ self.weight
-        if self.half:  # by blocks of widened rows, summed in float32, then times 2^a (as (alpha v) 2^a below)
-            weights = alpha.to(torch.float32)
+        if self.half:  # by blocks of widened rows, summed in float32, the power taken as below
+            narrow = float32_times_power(alpha, self.exponent) if self.exponent else alpha.to(torch.float32)
+            weights = narrow if narrow is not None else alpha.to(torch.float32)
             total = torch.zeros(alpha.shape[0], self.d, dtype=torch.float32, device=self.device)
             for s, e, rows in self.narrow_blocks(False):
                 total.addmm_(weights[:, s:e], rows)
+            if narrow is not None:
+                return total.to(torch.float64)
             if bool(torch.isfinite(total).all()):
                 return total.to(torch.float64).mul_(self.power)
             total.zero_()  # alpha v left float32's range: on the scaled rows, a float32 array (the carry)

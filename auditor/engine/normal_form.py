@@ -128,12 +128,13 @@ def normal_form(weight: torch.Tensor, bias: torch.Tensor | None, domain: Domain,
     # the sums of the offsets w_i - m serve only rows translated in float32, which the first rows rule out
     # for most heads (their differences are not float32 values)
     facts = _row_facts(weight, competitor, p, centre,
-                       offsets=weight.dtype == torch.float32 and _exact_differences(weight[:_FIRST_ROWS], centre))
+                       offsets=weight.dtype != torch.float64 and _exact_differences(weight[:_FIRST_ROWS], centre))
     spread = float(torch.median(facts.distance[competitor]))
     translation = None
     # A float64 head is always translated; a float32 head when its differences are float32 values (no
     # larger copy, nothing rounded), or through a float64 copy when its rows share an offset far larger
-    # than their spread (where rounding relative to the rows' size would swamp their differences).
+    # than their spread (where rounding relative to the rows' size would swamp their differences). A
+    # half-precision head only in that last case, into float32 where the differences allow.
     far = spread > 0 and float(torch.linalg.vector_norm(times_power_of_two(centre, p))) > _OFFSET_RATIO * spread
     translated, rounding = _translated(weight, centre, widen=weight.dtype == torch.float64 or far)
     if translated is not None:
@@ -226,8 +227,9 @@ def _translated(weight: torch.Tensor, centre: torch.Tensor, widen: bool
     rounded). A float32 head whose differences are all float32 values stays float32, the same size;
     otherwise, when ``widen``, they are float64, each entry rounded at most once, its error found
     exactly; else (None, None): the head stays as given."""
-    if weight.dtype == torch.float32:
-        narrow = torch.empty_like(weight)
+    # a half-precision head only where it must be translated (its float32 translation is a larger copy)
+    if weight.dtype == torch.float32 or (weight.dtype in HALF_DTYPES and widen):
+        narrow = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
         # a first block of a few rows: most float32 heads have inexact differences, and show it there
         starts = [0] + list(range(_FIRST_ROWS, weight.shape[0], _BLOCK_ROWS))
         for s, e in zip(starts, starts[1:] + [weight.shape[0]]):

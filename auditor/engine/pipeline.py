@@ -35,6 +35,7 @@ float64 (settle.py records what passes), so no stage can turn a guess into a ver
 from __future__ import annotations
 
 import sys
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -162,10 +163,18 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
         # weights (a pass over the head and a float64 check of n rows a token, then a reduction) for rows
         # that a few pivots settle. Only where a token lies near the centre are the routes built at all
         # (and only on more than 3D rows: the routes draw a pool of 3D, on fewer the centre has no basis).
-        near = _near_centre(head, left)
+        distance = _centre_distance(head, left)
+        near = distance <= _NEAR_CENTRE
         if near.any():
             routes = CentreRoutes(head)
-            _centre_first(routes, out, left[near], threat[near], routes.direct_pivots())
+            # rows well inside the basis' simplex take a few pivots; those further out (the inradius of a
+            # simplex of D rows around the centre is at most about 1 / sqrt(D) in this metric) take the
+            # centre pool's maximum-entropy weights and one elimination instead, as do the rows the pivots miss
+            inner = near & (distance <= _SIMPLEX_REACH / math.sqrt(head.d + 1))
+            _centre_first(routes, out, left[inner], threat[inner], routes.direct_pivots())
+            outer = near & (out.verdict[left] == UNDECIDED)
+            for k, found in routes.pooled(left[outer].tolist()).items():
+                set_convex(out, k, *found, "interior")
             keep = out.verdict[left] == UNDECIDED
             left, threat = left[keep], threat[keep]
     left, threat = _interior(head, out, left, threat)
@@ -279,15 +288,15 @@ def _centre_first(routes: CentreRoutes, out: Decisions, left: np.ndarray, threat
     return left[keep], threat[keep]
 
 
-_NEAR_CENTRE = 0.1  # Mahalanobis distance from the centre within which a row first tries the centre's basis
+_NEAR_CENTRE = 0.1  # Mahalanobis distance from the centre within which a row first tries the routes around it
+_SIMPLEX_REACH = 0.25  # times 1 / sqrt(D): the distance within which the centre's basis goes first
 
 
-def _near_centre(head: EngineHead, ids: np.ndarray) -> np.ndarray:
-    """Whether each token's row lies within _NEAR_CENTRE of the centre in the metric of the head's covariance
-    (mean-initialised rows: about sqrt(1e-9 d))."""
+def _centre_distance(head: EngineHead, ids: np.ndarray) -> np.ndarray:
+    """Each token's distance from the centre in the metric of the head's covariance (mean-initialised rows:
+    about sqrt(1e-9 d) in float32; rounded to bfloat16, about 0.03 at d = 2048)."""
     offsets = head.rows64(torch.as_tensor(ids, device=head.device)) - head.centre
-    distance = ((offsets @ head.precision) * offsets).sum(dim=1).clamp(min=0).sqrt()
-    return (distance <= _NEAR_CENTRE).cpu().numpy()
+    return ((offsets @ head.precision) * offsets).sum(dim=1).clamp(min=0).sqrt().cpu().numpy()
 
 
 def _interior(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -187,6 +187,8 @@ class _Arithmetic:
         self.half = head.half and self.dtype == torch.float32
         if self.dtype == torch.float32 and stored32:
             self.weight, self.exponent = head.stored, head.exponent
+        elif head.half:  # screened in float64: the rows 2^a v formed there at once (exact), no float32 copy first
+            self.weight, self.exponent = head.stored.to(torch.float64).mul_(head.power), 0
         else:
             self.weight, self.exponent = head.weight.to(self.dtype), 0
         # A large float64 head (the norm domain's reduced head, a float64 checkpoint) is screened through

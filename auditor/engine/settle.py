@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from auditor.engine.caratheodory import (centre_pool, from_pool, lifted_dimension, lifted_points, reduce_supports,
-                                         spread_pool)
+from auditor.engine.caratheodory import (centre_pool, from_pool, lifted_dimension, lifted_points, pool_certificate,
+                                         pool_start, reduce_supports, spread_pool)
 from auditor.engine.dual_simplex import Basis
 from auditor.engine.certify import check_convex, check_witnesses, check_witnesses_sharpened
 from auditor.engine.decisions import STAGES, UNDECIDED, Decisions, set_convex, set_witness
@@ -177,6 +177,25 @@ class CentreRoutes:
         D = 385, more on wider heads, whose simplex around the centre is thinner). None when the basis
         does not reach the point."""
         return self._from_bases(k, lifted_points(self.head, np.array([k]))[0], direct=pivots)
+
+    def pooled(self, ks: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray, float, float]]:
+        """Accepted certificates on at most D rows for tokens near the centre, from their own rows on the centre
+        pool (caratheodory.pool_certificate: maximum-entropy weights, whose first steps share one factor of the
+        pool's covariance, and one elimination): for rows the centre's basis reaches only after many pivots
+        (mean-initialised rows rounded to bfloat16 sit tens of times further out than the float32 ones). The
+        pool's points are gathered once for all of ``ks`` and let go after."""
+        found: dict[int, tuple[np.ndarray, np.ndarray, float, float]] = {}
+        if self.centre is None or not ks:
+            return found
+        pool, _ = self.centre
+        points = pool.lifted(self.head)
+        start = pool_start(points[:, :-1])
+        for k in ks:
+            certificate = pool_certificate(self.head, pool, points, k, start)
+            check = check_convex(self.head, k, *certificate) if certificate is not None else None
+            if check is not None and check.accepted and certificate[0].size <= self.dim:
+                found[k] = (*certificate, check.residual, check.bias_gap)
+        return found
 
     def direct_pivots(self) -> int:
         """The pivots the whole audit allows a direct route (the few-token route allows _DIRECT_PIVOTS): as
