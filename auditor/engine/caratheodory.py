@@ -275,6 +275,12 @@ def _entropy_newton(offsets: np.ndarray, rows: torch.Tensor, iterations: int,
     return _converged(pi, offsets)
 
 
+def shared_null_vectors(points: np.ndarray) -> np.ndarray | None:
+    """_null_vectors of a pool's lifted points, for pool_certificate's tokens outside the pool (None for a pool
+    of at most D rows, which needs none)."""
+    return _null_vectors(points) if points.shape[0] > points.shape[1] else None
+
+
 def pool_start(points: np.ndarray) -> torch.Tensor | None:
     """A Cholesky factor of the covariance of ``points`` (m x D, float64; uniform weights, a tiny ridge as the
     Hessians take): _maximum_entropy's ``start`` for the targets of one pool. None where it fails."""
@@ -288,17 +294,19 @@ def pool_start(points: np.ndarray) -> torch.Tensor | None:
 
 
 def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
-                     start: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+                     start: torch.Tensor | None = None, null: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
     """Weights on at most D of the pool's rows (``points`` their lifted points) reproducing token k's row: the
     maximum-entropy weights on the pool (all positive where the row lies inside the pool's hull) and one
     elimination. No dense certificate first: for a row near the pool's centre (a mean-initialised row rounded
-    to bfloat16) this is the work of one elimination on 2D rows. None when the pool does not surround the row."""
+    to bfloat16) this is the work of one elimination on 2D rows. None when the pool does not surround the row.
+    ``null``: the null vectors of all of ``points`` (_null_vectors), for a token whose row is not in the pool."""
     others = pool.indices != k
     target = lifted_points(head, np.array([k]))[0, :-1]
     spread = _maximum_entropy(points[others, :-1], target, start=start)
     if spread is None:
         return None
-    alpha = eliminate(points[others], spread)
+    alpha = eliminate(points[others], spread, null if others.all() else None)
     survive = alpha > 0
     return pool.indices[others][survive], alpha[survive] / alpha[survive].sum()
 
@@ -352,12 +360,13 @@ def _null_vectors(points: np.ndarray) -> np.ndarray:
     return null
 
 
-def eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+def eliminate(points: np.ndarray, alpha: np.ndarray, null: np.ndarray | None = None) -> np.ndarray:
     """Carathéodory by null-space steps: non-negative weights on at most D of the m points with
     ``weights @ points == alpha @ points`` (up to rounding). ``points`` is m x D, ``alpha`` >= 0.
 
     Step j moves along null vector u_j until a weight reaches zero; every later null vector must
-    first lose the coordinates already dropped. Rather than updating all later vectors after each
+    first lose the coordinates already dropped (``null``: the null vectors of ``points`` when the caller
+    shares them among the weights of one pool; they are read, not changed). Rather than updating all later vectors after each
     step (m r^2 work in rank-one updates), each vector is corrected when its turn comes: with V the
     vectors used so far and t their dropped coordinates, V[i][t_l] = 0 for i > l, so the correction
     x solves the lower-triangular system T x = u[t] with T[l, i] = V[i][t_l]. The corrections by the
@@ -371,7 +380,8 @@ def eliminate(points: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     # = 0 iff L^T w = 0 with u = w[order], and with L = [L1; L2] (|entries| <= 1) the vectors [-L1^-T L2^T e_j; e_j]
     # span those (a quarter of the work of a complete QR). Each coordinate is scaled first so that the
     # units of w, b and 1 do not matter.
-    null = _null_vectors(points)
+    if null is None:
+        null = _null_vectors(points)
     used = np.zeros((null.shape[0], m))
     triangle = np.zeros((null.shape[0], null.shape[0]))
     dropped = np.zeros(null.shape[0], dtype=np.int64)  # the first j entries: the coordinates dropped so far

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from auditor.engine.caratheodory import (centre_pool, from_pool, lifted_dimension, lifted_points, pool_certificate,
-                                         pool_start, reduce_supports, spread_pool)
+                                         pool_start, reduce_supports, shared_null_vectors, spread_pool)
 from auditor.engine.dual_simplex import Basis
 from auditor.engine.certify import check_convex, check_witnesses, check_witnesses_sharpened
 from auditor.engine.decisions import STAGES, UNDECIDED, Decisions, set_convex, set_witness
@@ -190,8 +190,9 @@ class CentreRoutes:
         pool, _ = self.centre
         points = pool.lifted(self.head)
         start = pool_start(points[:, :-1])
+        null = shared_null_vectors(points) if np.isin(ks, pool.indices, invert=True).any() else None
         for k in ks:
-            certificate = pool_certificate(self.head, pool, points, k, start)
+            certificate = pool_certificate(self.head, pool, points, k, start, null)
             check = check_convex(self.head, k, *certificate) if certificate is not None else None
             if check is not None and check.accepted and certificate[0].size <= self.dim:
                 found[k] = (*certificate, check.residual, check.bias_gap)
