@@ -164,6 +164,9 @@ def test_a_half_precision_audit_makes_no_float32_copy_and_answers_as_its_float32
     assert verdicts[n - 6] == "tied" and report.tokens[n - 6].group_verdict == "unargmaxable"
     assert report.counts["inconclusive"] == 0
     assert auditor.verify(report, head).ok
+    few = list(range(n - 10, n)) + [0, 1]  # a few tokens' audit (its own route) of the same head, in its storage
+    assert [auditor.audit(head, tokens=few, progress=False).tokens[k].verdict for k in few] == [verdicts[k] for k in few]
+    assert seen[-1] == dtype
 
 
 def test_a_half_precision_head_whose_scaled_rows_leave_float32_s_range_is_widened_and_answers_alike(rng):
@@ -237,3 +240,28 @@ def test_rows_a_little_off_the_centre_take_the_centre_pool_and_one_elimination(r
         assert token.verdict == "unargmaxable" and lp_margin(W64, None, k)[0] <= 1e-9
         assert token.convex_indices.size <= d + 1
     assert auditor.verify(report, head).ok
+
+
+def test_a_bfloat16_checkpoint_audits_in_bfloat16_from_the_command_line(rng, tmp_path, monkeypatch):
+    """A safetensors file as a bfloat16 model ships its head: ``audit`` reads it, the engine keeps it in
+    bfloat16, and the findings are those of the same values saved in float32."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from auditor.cli.audit import main
+    from auditor.engine import pipeline
+    from conftest import run_command
+
+    head = torch.from_numpy(_planted(rng, n=800, d=16)).to(torch.bfloat16)
+    save_file({"lm_head.weight": head}, str(tmp_path / "half.safetensors"))
+    save_file({"lm_head.weight": head.float()}, str(tmp_path / "wide.safetensors"))
+    seen, build = [], pipeline.build_engine_head
+    monkeypatch.setattr(pipeline, "build_engine_head", lambda weight, *a, **k: seen.append(weight.dtype) or build(weight, *a, **k))
+    findings = {}
+    for name in ("half", "wide"):
+        done = run_command(main, tmp_path / f"{name}.safetensors", "--format", "json", "--quiet")
+        assert done.returncode == 1, done.stderr
+        findings[name] = {entry["id"]: entry["verdict"] for entry in json.loads(done.stdout)["findings"]}
+    assert seen == [torch.bfloat16, torch.float32]
+    assert findings["half"] == findings["wide"] and {790, 791, 792, 793} <= set(findings["half"])
