@@ -53,7 +53,7 @@ import torch
 from auditor.domain import Ball, Box, Domain
 from auditor.engine.certify import derived_error
 from auditor.engine.frank_wolfe import active_support, pairwise_move, running_tokens
-from auditor.engine.head import EngineHead
+from auditor.engine.head import EngineHead, normalised_points
 from auditor.engine.rounding import proven_lower, proves_positive, safe_norm
 
 _SCORE_BUDGET = 1 << 22  # float64 entries of a full evaluation's block of logits (32 MiB)
@@ -200,7 +200,12 @@ class _WorkingSet:
     def scores(self, z: torch.Tensor, own: torch.Tensor, first: int = 0) -> torch.Tensor:
         """Logits (in the storage's precision) of the working rivals from column ``first`` on; -inf at own."""
         rows, members = self.rows[first:], self.members[first:]
-        scores = (z.to(rows.dtype) @ rows.T).to(torch.float64) + self.offset[members][None, :]
+        if rows.dtype == torch.float32:  # the float32 bounds hold for points of size about 1 (normalised_points)
+            z, back = normalised_points(z)
+            products = (z.to(rows.dtype) @ rows.T).to(torch.float64).mul_(back[:, None])
+        else:
+            products = z @ rows.T
+        scores = products + self.offset[members][None, :]
         return scores.masked_fill(members[None, :] == own[:, None], -torch.inf)
 
 

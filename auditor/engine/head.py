@@ -248,12 +248,18 @@ class EngineHead:
         For search directions only (Frank-Wolfe's vertex choice): every witness
         found this way is checked again with ``logits``. ``fast_error_factor``
         bounds its error like ``error_factor`` bounds that of ``logits``, with ``fast_underflow_floor`` for
-        the float32 products' underflow (rows stored as 2^a v: the power is taken on z's side where
+        the float32 products' underflow (each point first scaled by a power of two, normalised_points, so
+        that its float32 rounding errs relatively and its products underflow no more than those of a point
+        of size 1) (rows stored as 2^a v: the power is taken on z's side where
         2^a fl32(z) is a float32 array, so the products are those of the scaled rows bit for bit; else the
         scaled copy is read).
         """
         if self.stored.dtype == torch.float64:
             return z @ self.weight.T
+        z, back = normalised_points(z)
+        return self._fast_logits(z).mul_(back[:, None])
+
+    def _fast_logits(self, z: torch.Tensor) -> torch.Tensor:
         narrow = float32_times_power(z, self.exponent) if self.exponent else None
         if self.half:  # by blocks of widened rows: the same products as on a float32 copy of the head
             left, scaled = (narrow, False) if narrow is not None else (z.to(torch.float32), True)
@@ -352,6 +358,29 @@ def _narrow_rows(d: int) -> int:
     a product reads it."""
     return max(64, (1 << 18) // max(d, 1))
 _STRICTER = 1 - 2.0**-20
+
+
+def normalised_points(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2^s z, 2^-s) for B x d float64 points z, s >= 0 per point: a point whose largest entry lies below 1/2
+    is scaled up (exactly) until it lies in [1/2, 1); others keep s = 0. Products of the float32 rounding of
+    2^s z, scaled back by 2^-s in float64 (exact but where they fall below float64's normal range, which
+    its own floor covers), keep the float32 bounds of a point of that size. Without it a tiny point's
+    entries round to float32 subnormals, an absolute error that a far row's ||w_i||_1 multiplies beyond
+    fast_error_factor and the floor (a point of 2^-140 against a row 64 times the typical: twice the bound).
+    For a point of largest entry at least 1/2 such an error is below 2^-149 sqrt(d) of ||w_i|| ||z||,
+    which the factor's allowance for rounding z (2u) holds many times over."""
+    peak = z.abs().amax(dim=1) if z.numel() else torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
+    _, exponent = torch.frexp(peak)  # peak = m 2^e, m in [1/2, 1); a zero point gives e = 0
+    up = torch.clamp(-exponent.to(torch.int64), min=0)
+    half = up // 2  # two steps: 2^s alone may leave float64's normal range (s up to 1073)
+    first, second = _power_of_two(half), _power_of_two(up - half)
+    scaled = z * first[:, None] * second[:, None]  # exact: scaled up, nothing overflows
+    return scaled, 1.0 / first / second  # powers of two: 2^-s, held exactly (at least 2^-1073)
+
+
+def _power_of_two(k: torch.Tensor) -> torch.Tensor:
+    """2^k as float64 for integers 0 <= k <= 1023, from the bits (torch.ldexp computes 2^k in the default dtype)."""
+    return ((k + 1023) << 52).view(torch.float64)
 
 
 def robust_row_norms(weight: torch.Tensor, centre: torch.Tensor | None = None) -> torch.Tensor:
