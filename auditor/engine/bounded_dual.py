@@ -202,7 +202,9 @@ class _WorkingSet:
         rows, members = self.rows[first:], self.members[first:]
         if rows.dtype == torch.float32:  # the float32 bounds hold for points of size about 1 (normalised_points)
             z, back = normalised_points(z)
-            products = (z.to(rows.dtype) @ rows.T).to(torch.float64).mul_(back[:, None])
+            products = (z.to(rows.dtype) @ rows.T).to(torch.float64)
+            if back is not None:
+                products.mul_(back[:, None])
         else:
             products = z @ rows.T
         scores = products + self.offset[members][None, :]

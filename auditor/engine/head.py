@@ -19,7 +19,7 @@ import torch
 
 from auditor._arrays import row_blocks
 from auditor.domain import Domain
-from auditor.engine.power_of_two import float32_times_power, scaled_exactly
+from auditor.engine.power_of_two import float32_times_power, halves, scaled_exactly
 from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF_32, gamma, logit_error_factor, safe_norm,
                                      underflow_floor)
 
@@ -257,7 +257,8 @@ class EngineHead:
         if self.stored.dtype == torch.float64:
             return z @ self.weight.T
         z, back = normalised_points(z)
-        return self._fast_logits(z).mul_(back[:, None])
+        out = self._fast_logits(z)
+        return out if back is None else out.mul_(back[:, None])
 
     def _fast_logits(self, z: torch.Tensor) -> torch.Tensor:
         narrow = float32_times_power(z, self.exponent) if self.exponent else None
@@ -360,16 +361,26 @@ def _narrow_rows(d: int) -> int:
 _STRICTER = 1 - 2.0**-20
 
 
-def normalised_points(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def normalised_points(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(2^s z, 2^-s) for B x d float64 points z, s >= 0 per point: a point whose largest entry lies below 1/2
-    is scaled up (exactly) until it lies in [1/2, 1); others keep s = 0. Products of the float32 rounding of
+    is scaled up (exactly) until it lies in [1/2, 1); others keep s = 0 ((z, None) when every point does). Products of the float32 rounding of
     2^s z, scaled back by 2^-s in float64 (exact but where they fall below float64's normal range, which
     its own floor covers), keep the float32 bounds of a point of that size. Without it a tiny point's
     entries round to float32 subnormals, an absolute error that a far row's ||w_i||_1 multiplies beyond
     fast_error_factor and the floor (a point of 2^-140 against a row 64 times the typical: twice the bound).
     For a point of largest entry at least 1/2 such an error is below 2^-149 sqrt(d) of ||w_i|| ||z||,
     which the factor's allowance for rounding z (2u) holds many times over."""
-    peak = z.abs().amax(dim=1) if z.numel() else torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
+    if not z.numel():
+        return z, None
+    if z.shape[0] == 1:  # one point (corrective.py's gains, thousands of calls): in Python numbers
+        peak = float(z.abs().max())
+        if peak >= 0.5 or peak == 0:
+            return z, None
+        first, second = halves(-math.frexp(peak)[1])  # 2^s in two exact steps
+        return z * first * second, torch.full((1,), 1.0 / first / second, dtype=z.dtype, device=z.device)
+    peak = z.abs().amax(dim=1)
+    if bool(((peak >= 0.5) | (peak == 0)).all()):  # the common case, one test: nothing to scale
+        return z, None
     _, exponent = torch.frexp(peak)  # peak = m 2^e, m in [1/2, 1); a zero point gives e = 0
     up = torch.clamp(-exponent.to(torch.int64), min=0)
     half = up // 2  # two steps: 2^s alone may leave float64's normal range (s up to 1073)
