@@ -141,3 +141,36 @@ def run_module(module: str, *args) -> subprocess.CompletedProcess:
 
     name = {"auditor": "auditor.cli.audit"}.get(module, module)
     return run_command(importlib.import_module(name).main, *args)
+
+
+def engine_head(weight, bias=None):
+    """The engine head of a torch head (and float64 bias) as the pipeline builds it: duplicate groups, then the
+    normal form with its carry (the rows as given, their power of two taken where they are read)."""
+    import torch
+
+    from auditor.domain import Unbounded
+    from auditor.engine.head import build_engine_head
+    from auditor.engine.normal_form import normal_form
+    from auditor.engine.ties import duplicate_groups
+
+    representative = duplicate_groups(weight, bias)
+    form = normal_form(weight, bias, Unbounded(), torch.as_tensor(representative == np.arange(len(weight))),
+                       carry=True)
+    return build_engine_head(form.stored, form.bias, representative, form.domain, 1e-10, form.row_error,
+                             form.bias_error, form.median, form.facts, form.stored_exponent)
+
+
+def assert_same_float64_readings(head, twin, rng) -> None:
+    """Every float64 reading of the rows (rows64, blocks, logits, combine, combine_offsets) of ``head`` is that of
+    ``twin``, bit for bit."""
+    import torch
+
+    ids = rng.choice(head.n, size=17, replace=False)
+    assert torch.equal(head.rows64(ids), twin.rows64(ids))
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(head.blocks(), twin.blocks()))
+    z = torch.from_numpy(rng.standard_normal((3, head.d)))
+    assert torch.equal(head.logits(z), twin.logits(z))
+    alpha = torch.from_numpy(rng.random((2, head.n)))
+    assert torch.equal(head.combine(alpha), twin.combine(alpha))
+    w = head.rows64([5])[0]
+    assert torch.equal(head.combine_offsets(alpha[0], w), twin.combine_offsets(alpha[0], w))

@@ -16,19 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from auditor.domain import Unbounded
 from auditor.engine.bounded_dual import _WorkingSet
-from auditor.engine.head import build_engine_head
-from auditor.engine.normal_form import normal_form
-from auditor.engine.ties import duplicate_groups
-
-
-def _engine_head(weight: torch.Tensor):
-    representative = duplicate_groups(weight, None)
-    form = normal_form(weight, None, Unbounded(), torch.as_tensor(representative == np.arange(len(weight))),
-                       carry=True)
-    return build_engine_head(form.stored, form.bias, representative, form.domain, 1e-10, form.row_error,
-                             form.bias_error, form.median, form.facts, form.stored_exponent)
+from conftest import engine_head
 
 
 def _exact_excess(head, z: torch.Tensor, found: np.ndarray, ids: np.ndarray) -> float:
@@ -50,7 +39,7 @@ def _exact_excess(head, z: torch.Tensor, found: np.ndarray, ids: np.ndarray) -> 
 def _head(rng, dtype, scale):
     W = rng.standard_normal((60, 8)).astype(np.float32) * np.float32(scale)
     W[5] *= np.float32(64.0)  # a far row: its ||w||_1 multiplies whatever rounding the point suffers
-    return _engine_head(torch.from_numpy(W).to(dtype))
+    return engine_head(torch.from_numpy(W).to(dtype))
 
 
 @pytest.mark.parametrize("dtype,scale", [(torch.float32, 1.0), (torch.float32, 2.0**-20), (torch.bfloat16, 1.0),
@@ -77,7 +66,7 @@ def _signed_head(dtype):
     rng = np.random.default_rng(3)
     W = rng.standard_normal((60, 8)).astype(np.float32)
     W[5] = np.float32(64.0) * np.sign(W[5])
-    return _engine_head(torch.from_numpy(W).to(dtype))
+    return engine_head(torch.from_numpy(W).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,31 +10,19 @@ import pytest
 import torch
 
 import auditor
-from auditor.domain import Unbounded
 from auditor.engine import head as head_module
-from auditor.engine.head import build_engine_head
-from auditor.engine.normal_form import normal_form
 from auditor.engine.screen import screen
-from auditor.engine.ties import duplicate_groups
+from conftest import assert_same_float64_readings, engine_head
 from oracles import lp_margin
 
 HALF = [torch.bfloat16, torch.float16]
-
-
-def _engine_head(weight: torch.Tensor):
-    """The engine head as the pipeline builds it (the normal form's carry)."""
-    representative = duplicate_groups(weight, None)
-    form = normal_form(weight, None, Unbounded(), torch.as_tensor(representative == np.arange(len(weight))),
-                       carry=True)
-    return build_engine_head(form.stored, form.bias, representative, form.domain, 1e-10, form.row_error,
-                             form.bias_error, form.median, form.facts, form.stored_exponent)
 
 
 def _half_and_twin(rng, dtype, n=300, d=12, scale=1.0):
     """The engine head of a half-precision head, and the same head with its rows widened to float32 (the same
     exponent: 2^a times them is a float32 array, the carry)."""
     rows = torch.from_numpy(rng.standard_normal((n, d)) * scale).to(dtype)
-    head = _engine_head(rows)
+    head = engine_head(rows)
     return head, replace(head, stored=head.stored.to(torch.float32), _scaled_copy=[])
 
 
@@ -50,16 +38,8 @@ def _exact_logits(head, z: torch.Tensor) -> np.ndarray:
 def test_a_half_precision_head_stays_as_given_and_reads_as_its_float32_values(rng, dtype, scale):
     head, twin = _half_and_twin(rng, dtype, scale=scale)
     assert head.stored.dtype == dtype and head.half and head.exponent != 0
-    ids = rng.choice(head.n, size=17, replace=False)
-    assert torch.equal(head.rows64(ids), twin.rows64(ids))
-    assert all(torch.equal(a[2], b[2]) for a, b in zip(head.blocks(), twin.blocks()))
-    z = torch.from_numpy(rng.standard_normal((3, head.d)))
-    assert torch.equal(head.logits(z), twin.logits(z))
-    alpha = torch.from_numpy(rng.random((2, head.n)))
-    assert torch.equal(head.combine(alpha), twin.combine(alpha))
-    w = head.rows64([5])[0]
-    assert torch.equal(head.combine_offsets(alpha[0], w), twin.combine_offsets(alpha[0], w))
-    k = torch.as_tensor(ids)
+    assert_same_float64_readings(head, twin, rng)
+    k = torch.as_tensor(rng.choice(head.n, size=17, replace=False))
     assert head.rows_in_storage(k).dtype == torch.float32
     assert torch.equal(head.rows_in_storage(k), twin.rows_in_storage(k))
     assert head.fast_error_factor == twin.fast_error_factor
@@ -176,7 +156,7 @@ def test_a_half_precision_head_whose_scaled_rows_leave_float32_s_range_is_widene
     W = (rng.standard_normal((300, 12)) * 2.0**10).astype(np.float32)
     W[3, 4] = np.float32(2.0**-120)
     head = torch.from_numpy(W).to(torch.bfloat16)
-    engine = _engine_head(head)
+    engine = engine_head(head)
     assert not engine.half and engine.exponent == 0
     found, cast = auditor.audit(head, progress=False), auditor.audit(head.float(), progress=False)
     assert [t.verdict for t in found.tokens] == [t.verdict for t in cast.tokens]
@@ -202,7 +182,7 @@ def test_a_bfloat16_head_far_from_the_origin_is_translated_in_float32(rng):
     where every difference is a float32 value, as its float32 cast's are: not into a float64 copy."""
     W = (rng.standard_normal((300, 12)) * 2.0**-4).astype(np.float32) + np.float32(20.0)
     head = torch.from_numpy(W).to(torch.bfloat16)
-    engine = _engine_head(head)
+    engine = engine_head(head)
     assert engine.stored.dtype == torch.float32
     found, cast = auditor.audit(head, progress=False), auditor.audit(head.float(), progress=False)
     assert [t.verdict for t in found.tokens] == [t.verdict for t in cast.tokens]

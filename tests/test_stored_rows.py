@@ -10,22 +10,14 @@ import pytest
 import torch
 
 import auditor
-from auditor.domain import Unbounded
 from auditor.engine import head as head_module
-from auditor.engine.head import build_engine_head
-from auditor.engine.normal_form import normal_form
 from auditor.engine.screen import screen
-from auditor.engine.ties import duplicate_groups
+from conftest import assert_same_float64_readings, engine_head
 
 
 def _head_and_copy(W: np.ndarray, bias: np.ndarray | None = None):
     """The engine head as the pipeline builds it, and the same head on its scaled copy (exponent 0)."""
-    weight = torch.from_numpy(W)
-    b = torch.from_numpy(bias) if bias is not None else None
-    representative = duplicate_groups(weight, b)
-    form = normal_form(weight, b, Unbounded(), torch.as_tensor(representative == np.arange(len(W))), carry=True)
-    head = build_engine_head(form.stored, form.bias, representative, form.domain, 1e-10, form.row_error,
-                             form.bias_error, form.median, form.facts, form.stored_exponent)
+    head = engine_head(torch.from_numpy(W), torch.from_numpy(bias) if bias is not None else None)
     return head, replace(head, stored=head.weight, exponent=0, _scaled_copy=[])
 
 
@@ -38,15 +30,7 @@ def test_every_reading_of_the_rows_as_given_is_that_of_the_scaled_copy(rng, scal
     head, copy = _head_and_copy(_rows(rng, scale=scale))
     assert head.exponent != 0 and head.stored.dtype == torch.float32
     assert copy.stored.dtype == torch.float32  # the copy is exact in float32 here
-    ids = rng.choice(head.n, size=17, replace=False)
-    assert torch.equal(head.rows64(ids), copy.rows64(ids))
-    assert all(torch.equal(a[2], b[2]) for a, b in zip(head.blocks(), copy.blocks()))
-    z = torch.from_numpy(rng.standard_normal((3, head.d)))
-    assert torch.equal(head.logits(z), copy.logits(z))
-    alpha = torch.from_numpy(rng.random((2, head.n)))
-    assert torch.equal(head.combine(alpha), copy.combine(alpha))
-    w = head.rows64([5])[0]
-    assert torch.equal(head.combine_offsets(alpha[0], w), copy.combine_offsets(alpha[0], w))
+    assert_same_float64_readings(head, copy, rng)
 
 
 @pytest.mark.parametrize("scale", [2.0**-20, 2.0**10])
