@@ -207,3 +207,53 @@ def test_a_translated_head_takes_the_route_through_the_origin_it_was_given_in(rn
         token = report.tokens[k]
         assert token.verdict == "unargmaxable" and token.stage == "newton" and token.convex_indices.size <= d + 1
     assert auditor.verify(report, W).ok
+
+
+def test_the_origin_s_weights_come_from_the_rows_leading_towards_it(rng):
+    # Off the centre the origin's weights are found on the rows that lead along the first Newton step
+    # (anchor._pooled: 2D or more, few of the head's): its certificate rests on those rows alone, and the
+    # tokens' certificates built on it agree with the LP over all rows.
+    from auditor.engine import anchor
+
+    n, d = 3000, 12
+    W = trained_like(rng, n, d, offset=2.0)
+    planted = swallowed(W, rng, 4)
+    W[-1] = 0.0  # a reserved row at the origin
+    head = engine_head(W)
+    pooled = anchor._pooled(head, anchor._given_origin(head))
+    assert pooled is not None
+    chosen, weights = pooled
+    assert 2 * (d + 1) <= chosen.size <= n // 4 and np.all(weights > 0) and abs(weights.sum() - 1) <= 1e-12
+    assert np.abs(weights @ W[chosen]).max() <= 1e-12 * np.abs(W).max()  # the origin, in float64
+    basis = anchor._Origin(head, 40).basis
+    assert set(basis.pool.tolist()) <= set(chosen.tolist())
+    found = anchored_certificates(head, np.append(planted, n - 1))
+    assert set(found) == set(planted.tolist()) | {n - 1}
+    for k, (indices, weights, _, _) in found.items():
+        assert indices.size <= d + 1 and k not in indices
+        assert convex_residual(W, None, k, indices, weights)[0] <= 1e-11 * max(np.linalg.norm(W[k]), 1.0)
+        assert lp_margin(W, None, k)[0] <= 1e-9
+
+
+def test_an_origin_the_leading_rows_miss_takes_the_whole_head_s_solve(monkeypatch):
+    # Three standard deviations off the centre only a few rows lie beyond the origin along the first Newton
+    # step: the 2D rows that lead towards it do not surround it, their maximum-entropy solve fails (None), and
+    # the whole head's Newton solve finds the origin's certificate, on which a row at the origin is decided as
+    # the LP over all rows decides it.
+    from auditor.engine import anchor
+
+    n, d = 2000, 8
+    W = trained_like(np.random.default_rng(0), n, d, offset=3.0)
+    W[-1] = 0.0
+    head = engine_head(W)
+    tried = []
+    solve = anchor.maximum_entropy_weights
+    monkeypatch.setattr(anchor, "maximum_entropy_weights", lambda *a, **k: tried.append(solve(*a, **k)) or tried[-1])
+    assert anchor._pooled(head, anchor._given_origin(head)) is None
+    assert len(tried) == 1 and tried[0] is None  # the pool's solve ran and missed
+    assert anchor._Origin(head, 40).basis is not None
+    found = anchored_certificates(head, np.array([n - 1]))
+    indices, weights, _, _ = found[n - 1]
+    assert n - 1 not in indices and indices.size <= d + 1
+    assert convex_residual(W, None, n - 1, indices, weights)[0] <= 1e-12
+    assert lp_margin(W, None, n - 1)[0] <= 1e-9

@@ -5,7 +5,7 @@ own rounding, and reproducing the target to the accuracy the reductions rely on.
 import numpy as np
 import pytest
 
-from auditor.engine.caratheodory import _maximum_entropy
+from auditor.engine.caratheodory import maximum_entropy_weights
 
 
 @pytest.mark.parametrize("d, seed", [(128, 0), (384, 1)])
@@ -15,7 +15,7 @@ def test_the_centre_of_a_head_is_reached_from_a_pool_of_3d_of_its_rows(d, seed):
     rows = rows.astype(np.float32).astype(np.float64)
     target = rows.mean(axis=0)
     pool = rows[np.sort(rng.choice(len(rows), size=3 * (d + 1), replace=False))]
-    pi = _maximum_entropy(pool, target)
+    pi = maximum_entropy_weights(pool, target)
     assert pi is not None
     assert np.all(pi > 0) and abs(pi.sum() - 1) <= 1e-12
     scale = np.abs(pool - target).max()
@@ -51,7 +51,7 @@ def test_a_target_outside_the_pools_hull_gets_none():
     rng = np.random.default_rng(2)
     pool = rng.standard_normal((60, 8))
     outside = pool.max(axis=0) + 1.0  # beyond every row in every coordinate
-    assert _maximum_entropy(pool, outside) is None
+    assert maximum_entropy_weights(pool, outside) is None
 
 
 @pytest.mark.parametrize("offset", [0.0, 2.0])
@@ -110,12 +110,12 @@ def test_the_pool_s_shared_start_reaches_the_weights_of_fresh_hessians(distance,
     assert start is not None
     factorise, hessians = torch.linalg.cholesky_ex, []
     monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda *a, **k: hessians.append(1) or factorise(*a, **k))
-    shared = _maximum_entropy(pool, target, start=start)
+    shared = maximum_entropy_weights(pool, target, start=start)
     if distance <= 0.05:
         assert not hessians
-    fresh = _maximum_entropy(pool, target)
+    fresh = maximum_entropy_weights(pool, target)
     assert shared is not None and fresh is not None
     assert np.abs(shared - fresh).max() <= 1e-9 * fresh.max()
     scale = np.abs(pool - target).max()
     assert np.abs(shared @ pool - target).max() <= 1e-12 * scale
-    assert _maximum_entropy(pool, pool.max(axis=0) + 1.0, start=start) is None  # outside: still None
+    assert maximum_entropy_weights(pool, pool.max(axis=0) + 1.0, start=start) is None  # outside: still None

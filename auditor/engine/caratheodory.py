@@ -161,7 +161,7 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
         if head.bias is not None:
             target = np.append(target, float(dense @ head.bias) / mass)
     others = pool.indices != k  # the token may sit among the rows another token's certificate used
-    spread = _maximum_entropy(pool.lifted(head)[others, :-1], target)  # from theta = 0: no token depends on another
+    spread = maximum_entropy_weights(pool.lifted(head)[others, :-1], target)  # from theta = 0: no token depends on another
     if spread is None:
         return None
     union, position = np.unique(np.concatenate([indices[top], pool.indices[others]]), return_inverse=True)
@@ -177,7 +177,7 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
     return union[survive], alpha[survive] / alpha[survive].sum()
 
 
-def _maximum_entropy(points: np.ndarray, target: np.ndarray, iterations: int = 60,
+def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: int = 60,
                      start: torch.Tensor | None = None) -> np.ndarray | None:
     """Weights pi_i proportional to exp(theta . x_i), all positive, with sum pi_i x_i = target, by Newton's
     method on F(theta) = log sum exp(theta . (x_i - target)) from theta = 0 (see tilt.py, which does the
@@ -212,7 +212,7 @@ _FLOAT32_HESSIANS = 8  # the float32 attempt's Hessians: a pool around the centr
 
 def _entropy_newton(offsets: np.ndarray, rows: torch.Tensor, iterations: int,
                     start: torch.Tensor | None = None) -> np.ndarray | None:
-    """_maximum_entropy's Newton's method from theta = 0, its Hessians formed on ``rows`` (the offsets in float32
+    """maximum_entropy_weights' Newton's method from theta = 0, its Hessians formed on ``rows`` (the offsets in float32
     or float64); ``start``, a Cholesky factor of the Hessian at theta = 0, for the first (chord) steps."""
     narrow = rows.dtype == torch.float32
     theta = np.zeros(offsets.shape[1])
@@ -283,7 +283,7 @@ def shared_null_vectors(points: np.ndarray) -> np.ndarray | None:
 
 def pool_start(points: np.ndarray) -> torch.Tensor | None:
     """A Cholesky factor of the covariance of ``points`` (m x D, float64; uniform weights, a tiny ridge as the
-    Hessians take): _maximum_entropy's ``start`` for the targets of one pool. None where it fails."""
+    Hessians take): maximum_entropy_weights' ``start`` for the targets of one pool. None where it fails."""
     rows = torch.from_numpy(points)
     centred = rows - rows.mean(dim=0)
     covariance = (centred.T @ centred) / points.shape[0]
@@ -303,7 +303,7 @@ def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
     ``null``: the null vectors of all of ``points`` (_null_vectors), for a token whose row is not in the pool."""
     others = pool.indices != k
     target = lifted_points(head, np.array([k]))[0, :-1]
-    spread = _maximum_entropy(points[others, :-1], target, start=start)
+    spread = maximum_entropy_weights(points[others, :-1], target, start=start)
     if spread is None:
         return None
     alpha = eliminate(points[others], spread, null if others.all() else None)
