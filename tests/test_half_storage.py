@@ -192,9 +192,9 @@ def test_a_bfloat16_head_far_from_the_origin_is_translated_in_float32(rng):
 def test_rows_a_little_off_the_centre_take_the_centre_pool_and_one_elimination(rng, dtype, monkeypatch):
     """Mean-initialised rows as a bfloat16 checkpoint stores them sit tens of times further from the centre
     than float32 ones, beyond the reach of the centre's basis in a few pivots: rows planted 0.06 from the centre
-    in the head's covariance metric (the reach is 0.25 / sqrt(D) = 0.031 here) take the centre pool's
-    maximum-entropy weights and one elimination (CentreRoutes.pooled), no dense certificate; unargmaxable as the
-    LP over all rows says, on at most D rows, every certificate verified."""
+    in the head's covariance metric (the reach is 0.25 / sqrt(D) = 0.031 here) take the centre's weights on the
+    centre pool moved to them by one linear solve and one elimination (CentreRoutes.pooled), no dense
+    certificate; unargmaxable as the LP over all rows says, on at most D rows, every certificate verified."""
     from auditor.engine import settle
 
     n, d = 1200, 64
@@ -212,9 +212,12 @@ def test_rows_a_little_off_the_centre_take_the_centre_pool_and_one_elimination(r
         return found
 
     monkeypatch.setattr(settle.CentreRoutes, "pooled", recording)
+    linear, solve = [], settle.linear_weights
+    monkeypatch.setattr(settle, "linear_weights", lambda *a: linear.append(solve(*a)) or linear[-1])
     report = auditor.audit(head, progress=False)
     W64 = head.to(torch.float64).numpy()
     assert sorted(pooled) == list(range(n - 4, n))
+    assert len(linear) == 4 and all(nu is not None for nu in linear)  # one linear solve each
     for k in range(n - 4, n):
         token = report.tokens[k]
         assert token.verdict == "unargmaxable" and lp_margin(W64, None, k)[0] <= 1e-9

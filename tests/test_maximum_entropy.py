@@ -119,3 +119,40 @@ def test_the_pool_s_shared_start_reaches_the_weights_of_fresh_hessians(distance,
     scale = np.abs(pool - target).max()
     assert np.abs(shared @ pool - target).max() <= 1e-12 * scale
     assert maximum_entropy_weights(pool, pool.max(axis=0) + 1.0, start=start) is None  # outside: still None
+
+
+def test_the_centre_s_weights_move_to_a_row_near_it_in_one_linear_solve():
+    """caratheodory.linear_weights: mu_i (1 + theta . (x_i - c)) with H theta = t - c, mu the centre's
+    maximum-entropy weights on the pool and H their covariance, is a convex combination reproducing t (checked
+    here as a certificate is: non-negative, summing to 1, the residual in float64), for points a short way from
+    the centre; None for a point the first-order weights cannot reach (some weight negative), which the
+    maximum-entropy weights still reach, and for a point outside the pool's hull."""
+    from auditor.engine.caratheodory import linear_weights, pool_centre
+
+    rng = np.random.default_rng(11)
+    d = 64
+    scales = np.linspace(0.2, 2.0, d)
+    rows = rng.standard_normal((40 * d, d)) * scales
+    centre = rows.mean(axis=0)
+    pool = rows[np.sort(rng.choice(len(rows), size=2 * (d + 1), replace=False))]
+    lifted = np.hstack([pool, np.ones((len(pool), 1))])
+    shared = pool_centre(pool, centre)
+    assert shared is not None and np.all(shared.weights > 0)
+    assert np.abs(shared.weights @ pool - centre).max() <= 1e-12 * np.abs(pool - centre).max()
+    hessian = (pool - centre).T @ ((pool - centre) * shared.weights[:, None])
+    for distance in (0.01, 0.05, 0.1):
+        u = rng.standard_normal(d)
+        target = centre + distance * np.linalg.cholesky(hessian) @ (u / np.linalg.norm(u))  # H-metric distance
+        nu = linear_weights(lifted, shared, target)
+        assert nu is not None and np.all(nu > 0) and abs(nu.sum() - 1) <= 1e-14
+        assert np.abs(nu @ pool - target).max() <= 1e-13 * np.abs(pool - target).max()
+        # the first-order weights, not the maximum-entropy ones: the two differ at second order
+        exact = maximum_entropy_weights(pool, target)
+        assert exact is not None and np.abs(nu - exact).max() > 1e-9 * exact.max()
+    # Further out, along the pool row that leads most: the first-order weight of the row opposite turns negative
+    # while the point is still inside the hull, where the maximum-entropy weights reach it
+    lead = np.argmax(np.linalg.solve(hessian, (pool - centre).T).T @ (pool[0] - centre))
+    far = centre + 0.6 * (pool[lead] - centre)
+    assert linear_weights(lifted, shared, far) is None
+    assert maximum_entropy_weights(pool, far) is not None
+    assert linear_weights(lifted, shared, pool.max(axis=0) + 1.0) is None  # outside the hull

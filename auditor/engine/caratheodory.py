@@ -293,6 +293,52 @@ def pool_start(points: np.ndarray) -> torch.Tensor | None:
     return factor if int(info) == 0 else None
 
 
+@dataclass
+class PoolCentre:
+    """The centre c of the head as a combination of a pool's rows: its maximum-entropy weights mu on them (all
+    positive, sum mu_i x_i = c) and a Cholesky factor of H = sum_i mu_i (x_i - c)(x_i - c)^T, for
+    linear_weights."""
+
+    weights: np.ndarray  # m, the pool's rows in order
+    point: np.ndarray  # c
+    factor: torch.Tensor  # lower triangular, D - 1 square (the points without their last coordinate)
+
+
+def pool_centre(points: np.ndarray, centre: np.ndarray) -> PoolCentre | None:
+    """The PoolCentre of ``points`` (m x (D - 1): the pool's lifted points less their last coordinate) for the
+    point ``centre``; None when the maximum-entropy solve or the factor fails (the centre is not inside
+    the pool's hull). One solve and one m D^2 product for the pool, shared by every token near the centre."""
+    weights = maximum_entropy_weights(points, centre)
+    if weights is None:
+        return None
+    offsets = torch.from_numpy(np.subtract(points, centre))
+    hessian = offsets.T @ (offsets * torch.from_numpy(weights)[:, None])
+    del offsets
+    ridge = 1e-14 * float(hessian.trace()) * torch.eye(hessian.shape[0], dtype=torch.float64)
+    factor, info = torch.linalg.cholesky_ex(hessian + ridge)
+    return PoolCentre(weights, np.asarray(centre, dtype=np.float64), factor) if int(info) == 0 else None
+
+
+def linear_weights(points: np.ndarray, centre: PoolCentre, target: np.ndarray) -> np.ndarray | None:
+    """Convex weights on a pool's rows (``points`` their lifted points, m x D) reproducing ``target`` (w_k),
+    from the centre's in one linear solve: nu_i = mu_i (1 + theta . (x_i - c)) with H theta = target - c.
+    They sum to 1 (the mu_i (x_i - c) sum to 0) and sum nu_i x_i = c + H theta = target exactly: the
+    first-order term of the maximum-entropy weights about the centre, with no Newton's method. Valid where
+    every 1 + theta . (x_i - c) is positive, as for a point a short way from the centre in the metric of H
+    (their mean square over mu is theta . H theta): rows mean-initialised and rounded to bfloat16 leave them
+    at 0.35 or more. One refinement against the float64 residual; None where a weight is not positive
+    (maximum_entropy_weights may still reach such a target). O(m D) and two triangular solves a target."""
+    def step(offset: np.ndarray) -> np.ndarray:  # mu_i theta . (x_i - c), H theta = offset
+        theta = torch.cholesky_solve(torch.from_numpy(offset)[:, None], centre.factor)[:, 0].numpy()
+        return centre.weights * (points @ np.append(theta, 0.0) - float(centre.point @ theta))
+
+    nu = centre.weights + step(np.subtract(target, centre.point))
+    if not np.all(nu > 0):
+        return None
+    nu += step(np.subtract(target, nu @ points[:, :-1]))
+    return nu / nu.sum() if np.all(nu > 0) else None
+
+
 def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
                      start: torch.Tensor | None = None, null: np.ndarray | None = None
                      ) -> tuple[np.ndarray, np.ndarray] | None:

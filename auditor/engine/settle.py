@@ -13,8 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from auditor.engine.caratheodory import (centre_pool, from_pool, lifted_dimension, lifted_points, pool_certificate,
-                                         pool_start, reduce_supports, shared_null_vectors, spread_pool)
+from auditor.engine.caratheodory import (centre_pool, eliminate, from_pool, lifted_dimension, lifted_points,
+                                         linear_weights, pool_centre, pool_certificate, pool_start, reduce_supports,
+                                         shared_null_vectors, spread_pool)
 from auditor.engine.dual_simplex import Basis
 from auditor.engine.certify import check_convex, check_witnesses, check_witnesses_sharpened
 from auditor.engine.decisions import STAGES, UNDECIDED, Decisions, set_convex, set_witness
@@ -180,20 +181,34 @@ class CentreRoutes:
 
     def pooled(self, ks: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray, float, float]]:
         """Accepted certificates on at most D rows for tokens near the centre, from their own rows on the centre
-        pool (caratheodory.pool_certificate: maximum-entropy weights, whose first steps share one factor of the
-        pool's covariance, and one elimination): for rows the centre's basis reaches only after many pivots
-        (mean-initialised rows rounded to bfloat16 sit tens of times further out than the float32 ones). The
-        pool's points are gathered once for all of ``ks`` and let go after."""
+        pool, for rows the centre's basis reaches only after many pivots (mean-initialised rows rounded to
+        bfloat16 sit tens of times further out than the float32 ones): the centre's weights on the pool moved
+        to the row by one linear solve (caratheodory.linear_weights), or where one of those weights is not
+        positive the row's maximum-entropy weights (caratheodory.pool_certificate, whose first steps share one
+        factor of the pool's covariance), and one elimination. The pool's points, the centre's weights and
+        factor are made once for all of ``ks`` and let go after."""
         found: dict[int, tuple[np.ndarray, np.ndarray, float, float]] = {}
         if self.centre is None or not ks:
             return found
         pool, _ = self.centre
         points = pool.lifted(self.head)
-        start = pool_start(points[:, :-1])
-        null = shared_null_vectors(points) if np.isin(ks, pool.indices, invert=True).any() else None
-        for k in ks:
-            certificate = pool_certificate(self.head, pool, points, k, start, null)
+        outside = np.isin(ks, pool.indices, invert=True)
+        centre = pool_centre(points[:, :-1], self.head.centre.cpu().numpy()) if outside.any() else None
+        null = shared_null_vectors(points) if outside.any() else None
+        start: list = []  # the factor of the maximum-entropy route, made at its first token
+        for k, away in zip(ks, outside.tolist()):
+            certificate = None
+            if centre is not None and away:  # the token's own row is not among the pool's: every row serves
+                nu = linear_weights(points, centre, lifted_points(self.head, np.array([k]))[0, :-1])
+                if nu is not None:
+                    alpha = eliminate(points, nu, null)
+                    certificate = pool.indices[alpha > 0], alpha[alpha > 0] / alpha[alpha > 0].sum()
             check = check_convex(self.head, k, *certificate) if certificate is not None else None
+            if check is None or not check.accepted:
+                if not start:
+                    start.append(pool_start(points[:, :-1]))
+                certificate = pool_certificate(self.head, pool, points, k, start[0], null)
+                check = check_convex(self.head, k, *certificate) if certificate is not None else None
             if check is not None and check.accepted and certificate[0].size <= self.dim:
                 found[k] = (*certificate, check.residual, check.bias_gap)
         return found
