@@ -180,7 +180,7 @@ def test_a_start_of_fewer_than_d_rows_is_completed_from_the_pool(rng):
     start, _, _ = reduce_support(head, pool, np.full(pool.size, 1.0 / pool.size))
     basis = Basis(head, pool, start[:-2])
     assert basis.span is None and basis.start.size == d + 1
-    assert set(pool[basis.start[np.isin(pool[basis.start], start[:-2])]].tolist()) == set(start[:-2].tolist())
+    assert set(start[:-2].tolist()) <= set(basis.pool[basis.start].tolist())  # the given rows are kept
     inside = 0
     for k in range(1, 400, 2):
         found = basis.certificate(k, max_pivots=10_000)

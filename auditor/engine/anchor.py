@@ -87,7 +87,9 @@ def _pooled(head: EngineHead, point: torch.Tensor) -> tuple[np.ndarray, np.ndarr
         return None
     chosen = np.sort(rivals.cpu().numpy()[np.argsort(-scores, kind="stable")[:size]])
     points = lifted_points(head, chosen)
-    weights = maximum_entropy_weights(points[:, :-1], point.cpu().numpy(), iterations=_POOL_HESSIANS)
+    # the lifted points are spent by the solve (reduce_support gathers its own)
+    weights = maximum_entropy_weights(points[:, :-1], point.cpu().numpy(), iterations=_POOL_HESSIANS,
+                                      overwrite=True)
     return (chosen, weights) if weights is not None else None
 
 

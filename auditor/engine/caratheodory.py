@@ -161,7 +161,8 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
         if head.bias is not None:
             target = np.append(target, float(dense @ head.bias) / mass)
     others = pool.indices != k  # the token may sit among the rows another token's certificate used
-    spread = maximum_entropy_weights(pool.lifted(head)[others, :-1], target)  # from theta = 0: no token depends on another
+    # from theta = 0: no token depends on another; the selection is a copy, spent by the solve
+    spread = maximum_entropy_weights(pool.lifted(head)[others, :-1], target, overwrite=True)
     if spread is None:
         return None
     union, position = np.unique(np.concatenate([indices[top], pool.indices[others]]), return_inverse=True)
@@ -178,7 +179,7 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
 
 
 def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: int = 60,
-                     start: torch.Tensor | None = None) -> np.ndarray | None:
+                            start: torch.Tensor | None = None, overwrite: bool = False) -> np.ndarray | None:
     """Weights pi_i proportional to exp(theta . x_i), all positive, with sum pi_i x_i = target, by Newton's
     method on F(theta) = log sum exp(theta . (x_i - target)) from theta = 0 (see tilt.py, which does the
     same over a whole head). None when it does not converge: the target is not inside the hull.
@@ -197,8 +198,12 @@ def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: 
     ``start``: a Cholesky factor of the covariance of ``points`` (uniform weights), shared by the targets
     that use one pool. The Hessian at theta = 0 is that covariance divided by the scale of the offsets,
     whatever the target, so the first steps of a target near the pool's centre take it as chord steps
-    (O(m D) each) and a fresh Hessian is formed only where they stall."""
-    offsets = np.subtract(points, target)  # one m x D array, scaled in place: fresh arrays cost page faults
+    (O(m D) each) and a fresh Hessian is formed only where they stall.
+
+    ``overwrite``: ``points`` is the caller's to spend (a copy made for this call), and the offsets are formed
+    in it: one m x D array fewer."""
+    # one m x D array, scaled in place: fresh arrays cost page faults
+    offsets = np.subtract(points, target, out=points if overwrite else None)
     scale = max(float(offsets.max()), -float(offsets.min())) or 1.0
     offsets /= scale
     shared = torch.from_numpy(offsets)  # the same numbers, for the Hessian
@@ -237,7 +242,9 @@ def _entropy_newton(offsets: np.ndarray, rows: torch.Tensor, iterations: int,
             if hessians == iterations:
                 break
             centred = rows - torch.from_numpy(gradient).to(rows.dtype)
-            hessian = ((centred * torch.from_numpy(pi).to(rows.dtype)[:, None]).T @ centred).to(torch.float64)
+            centred *= torch.from_numpy(np.sqrt(pi)).to(rows.dtype)[:, None]  # in place: one m x D temporary
+            hessian = (centred.T @ centred).to(torch.float64)
+            del centred
             # a tiny ridge: rows of a normalised head span only a subspace
             factor, info = torch.linalg.cholesky_ex(hessian + 1e-14 * float(hessian.trace()) * identity)
             hessians += 1
@@ -349,7 +356,7 @@ def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
     ``null``: the null vectors of all of ``points`` (_null_vectors), for a token whose row is not in the pool."""
     others = pool.indices != k
     target = lifted_points(head, np.array([k]))[0, :-1]
-    spread = maximum_entropy_weights(points[others, :-1], target, start=start)
+    spread = maximum_entropy_weights(points[others, :-1], target, start=start, overwrite=True)  # a copy, spent
     if spread is None:
         return None
     alpha = eliminate(points[others], spread, null if others.all() else None)
@@ -362,12 +369,16 @@ def _converged(pi: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
 
 
 def lifted_points(head: EngineHead, indices: np.ndarray) -> np.ndarray:
-    """The rows as points (w_i, b_i, 1) of R^D, float64."""
-    columns = [head.rows(indices)]
+    """The rows as points (w_i, b_i, 1) of R^D, float64: one m x D array, filled a block of rows at a time (at
+    D = 4097 a pool of 2D rows is a eighth of a float32 head, and its copies count)."""
+    indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+    points = np.empty((indices.size, lifted_dimension(head)))
+    for s in range(0, indices.size, _GATHER_ROWS):
+        points[s:s + _GATHER_ROWS, :head.d] = head.rows(indices[s:s + _GATHER_ROWS])
     if head.bias is not None:
-        columns.append(head.biases(indices)[:, None])
-    columns.append(np.ones((indices.size, 1)))
-    return np.hstack(columns)
+        points[:, head.d] = head.biases(indices)
+    points[:, -1] = 1.0
+    return points
 
 
 def _group_means(head: EngineHead, indices: np.ndarray, alpha: np.ndarray, label: np.ndarray,
@@ -426,9 +437,13 @@ def eliminate(points: np.ndarray, alpha: np.ndarray, null: np.ndarray | None = N
     # = 0 iff L^T w = 0 with u = w[order], and with L = [L1; L2] (|entries| <= 1) the vectors [-L1^-T L2^T e_j; e_j]
     # span those (a quarter of the work of a complete QR). Each coordinate is scaled first so that the
     # units of w, b and 1 do not matter.
+    # The vectors used are kept for the later corrections: in the null vectors' own rows when they are this
+    # call's (vector j is stored at row j or before, once its row has been read), else in an array of their own
     if null is None:
         null = _null_vectors(points)
-    used = np.zeros((null.shape[0], m))
+        used = null
+    else:
+        used = np.zeros((null.shape[0], m))
     triangle = np.zeros((null.shape[0], null.shape[0]))
     dropped = np.zeros(null.shape[0], dtype=np.int64)  # the first j entries: the coordinates dropped so far
     j = 0

@@ -10,9 +10,11 @@ basis whose weights for such a t have only a few negative entries. The dual
 simplex method removes them: with cost 0 on the starting basis and 1 on every
 other row the start is dual feasible, and each pivot takes the most negative
 weight out of the basis and brings in the row that keeps the reduced costs
-non-negative. A pivot is one product of a basis-inverse row with the pool and a
-rank-one update of the inverse, O(m D); a Carathéodory elimination of the
-token's own costs O(m D^2).
+non-negative. A pivot is one product of a basis-inverse row with the pool's
+rows outside the basis and one solve with the basis, O(m D), the inverse kept
+in product form (the shared start's and one column per pivot, so that no copy
+of it is made per token); a Carathéodory elimination of the token's own costs
+O(m D^2).
 
 The coordinates: each lifted coordinate is divided by its largest magnitude on
 the pool (so that the units of w, b and 1 do not matter), and the points are
@@ -65,12 +67,17 @@ class Basis:
             # D start rows that span R^D: so does the pool, and the working coordinates are the scaled ones
             self.span, self.points, self.start = None, scaled, square
             self.inverse = np.ascontiguousarray(inverse.T)  # of the start's points as columns
-            return
-        _, sigma, vt = np.linalg.svd(scaled, full_matrices=False)
-        self.span = vt[:int((sigma > _SPAN * sigma[0]).sum())].T  # D x r
-        self.points = scaled @ self.span  # m x r
-        self.start = _independent(self.points, position)
-        self.inverse = np.linalg.inv(self.points[self.start].T) if self.start is not None else None
+        else:
+            _, sigma, vt = np.linalg.svd(scaled, full_matrices=False)
+            self.span = vt[:int((sigma > _SPAN * sigma[0]).sum())].T  # D x r
+            self.points = scaled @ self.span  # m x r
+            self.start = _independent(self.points, position)
+            self.inverse = np.linalg.inv(self.points[self.start].T) if self.start is not None else None
+        if self.start is not None:  # the start's rows first: the others are then one contiguous block (``rest``)
+            order = np.concatenate([self.start, np.setdiff1d(np.arange(self.pool.size), self.start)])
+            self.pool, self.points = self.pool[order], self.points[order]
+            self.start = np.arange(self.start.size)
+            self.rest = self.points[self.start.size:]
 
     def certificate(self, k: int, point: np.ndarray | None = None, max_pivots: int | None = None,
                     own: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
@@ -87,13 +94,34 @@ class Basis:
             target = target @ self.span
         r = self.points.shape[1]
         max_pivots = r if max_pivots is None else max_pivots
-        # the shared inverse is copied only when a pivot changes it (a D x D array: most tokens take none)
-        basis, inverse, shared = self.start.copy(), self.inverse, True
-        weights = inverse @ target
+        # The basis inverse in product form: the shared start's inverse (never written) and one eta column per
+        # pivot, B^-1 = E_t ... E_1 B_0^-1, E_s the identity with column l_s replaced by the eta of column_s
+        # (B_(s-1)^-1 times the entering point). A pivot then reads B_0^-1 twice and the non-start rows once
+        # (three r x r passes), where updating an explicit inverse would copy it and write it as well.
+        inverse, etas = self.inverse, []
+
+        def solve(x: np.ndarray) -> np.ndarray:  # B^-1 x
+            y = inverse @ x
+            for l, column in etas:
+                f = y[l] / column[l]
+                y -= f * column
+                y[l] = f
+            return y
+
+        def inverse_row(leave: int) -> np.ndarray:  # e_l^T B^-1
+            v = np.zeros(r)
+            v[leave] = 1.0
+            for l, column in reversed(etas):  # v E_s changes entry l_s only
+                v[l] = (v[l] - (v @ column - v[l] * column[l])) / column[l]
+            return v @ inverse
+
+        basis = self.start.copy()
+        weights = solve(target)
         basic = np.zeros(self.pool.size, dtype=bool)
         basic[basis] = True
         banned = (self.pool == k) & (not own)  # a certificate never uses the token's own row
         cost = np.where(basic, 0.0, 1.0)  # reduced costs: the start is dual feasible
+        row = np.empty(self.pool.size)
         for pivot in range(max_pivots + 1):
             own = np.flatnonzero(banned[basis])
             if own.size:  # the token's own row leaves first, whatever its weight
@@ -104,7 +132,14 @@ class Basis:
                     break
             if pivot == max_pivots:
                 return None
-            row = self.points @ inverse[leave]  # the leaving row of B^-1 A
+            # the leaving row of B^-1 A: 0 on the basic rows but the leaving one's 1, computed on the others
+            u = inverse_row(leave)
+            row[:r] = 0.0
+            row[r:] = self.rest @ u
+            left_start = np.flatnonzero(~basic[:r])  # start rows no longer in the basis
+            if left_start.size:
+                row[left_start] = self.points[left_start] @ u
+            row[basis[leave]] = 1.0
             allowed = ~basic & ~banned
             threshold = _PIVOT * float(np.abs(row).max())
             # The dual ratio test: entering on a negative entry of the row keeps every reduced cost
@@ -122,25 +157,20 @@ class Basis:
             enter = int(np.argmin(ratio))
             cost = cost - (cost[enter] / row[enter]) * row  # 0 on the new basis, -theta on the row that leaves
             cost[enter] = 0.0
-            column = inverse @ self.points[enter]
+            column = solve(self.points[enter])
             step = weights[leave] / column[leave]
             weights = weights - step * column
             weights[leave] = step
-            pivot_row = inverse[leave] / column[leave]
-            if shared:
-                inverse, shared = inverse.copy(), False
-            # the rank-one update in place (row `leave` is set afterwards): no copies of the other rows
-            inverse = _rank_one(-1.0, pivot_row, column, a=inverse.T, overwrite_a=True).T  # the same memory
-            inverse[leave] = pivot_row
+            etas.append((leave, column))
             basic[basis[leave]], basic[enter] = False, True
             basis[leave] = enter
-            if (pivot + 1) % max(_REFRESH, r // 8) == 0:
-                inverse = np.linalg.inv(self.points[basis].T)
+            if (pivot + 1) % max(_REFRESH, r // 8) == 0:  # a fresh inverse, and the etas start again
+                inverse, etas = np.linalg.inv(self.points[basis].T), []
                 weights = inverse @ target
         # iterative refinement with the inverse at hand: the weights as accurate as a fresh solve, on an
         # ill-conditioned basis too (a step shrinks the error by about cond * eps); the best kept
         spread = np.zeros(self.pool.size)  # B w as (pool-sized weights) @ points: no gathered copy of B
-        weights = inverse @ target
+        weights = solve(target)
         best, least = weights, np.inf
         for _ in range(4):
             spread[basis] = weights
@@ -151,7 +181,7 @@ class Basis:
                     best, least = weights, size
                 break
             best, least = weights, size
-            weights = weights + inverse @ residual
+            weights = weights + solve(residual)
         weights = np.maximum(best, 0.0)
         keep = weights > 0
         if not keep.any():
@@ -159,7 +189,6 @@ class Basis:
         return self.pool[basis[keep]], weights[keep] / weights[keep].sum()
 
 
-_rank_one = scipy.linalg.blas.dger  # a + alpha x y^T, in place on a Fortran-ordered a (the inverse's transpose)
 # reciprocal condition number (1-norm estimate) from which a square start is used as it is: float64 still
 # solves with it to a few digits, which the refinement step sharpens and check_convex judges (a wide head's
 # start of D = 4097 rows estimates 1e-8 and spans R^D). A pool whose rows span fewer dimensions (a normalised
