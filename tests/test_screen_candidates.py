@@ -9,6 +9,7 @@ import pytest
 import auditor
 from auditor.engine import low_precision
 from auditor.engine import head as head_module
+from auditor.engine import pipeline
 from auditor.engine import screen as screen_module
 from oracles import ball_margin, qhull_argmaxable, witness_wins
 
@@ -24,6 +25,7 @@ def through_bfloat16(monkeypatch):
     """The bfloat16 pass on a head small enough for the oracles; returns, per call, the whitened witnesses
     the bfloat16 product proves."""
     monkeypatch.setattr(head_module, "BFLOAT16_ENTRIES", 0)
+    monkeypatch.setattr(screen_module, "_WHITENED_IN_BFLOAT16", 0)  # the copy kept for however few tokens
     proved = []
     original = low_precision.bfloat16_witnesses
 
@@ -111,3 +113,19 @@ def test_the_bfloat16_whitened_route_proves_what_it_can_and_hands_the_close_call
     assert np.array_equal(check.margin[~by_bfloat16], float64.margin[~by_bfloat16])
     for j in np.nonzero(check.certified)[0][::25]:
         assert witness_wins(W.astype(np.float64), None, int(chosen[j]), witnesses[j].numpy())
+
+
+def test_with_few_tokens_left_the_bfloat16_copy_is_freed_before_the_whitened_witnesses(monkeypatch):
+    # Below _WHITENED_IN_BFLOAT16 tokens left the screen hands on no copy (the covariance and precision are
+    # then formed without it: the audit's peak memory), and the whitened witnesses take float32 products and
+    # float64 checks: the same verdicts, qhull's
+    monkeypatch.setattr(head_module, "WHITENED_ENTRIES", 0)
+    monkeypatch.setattr(head_module, "BFLOAT16_ENTRIES", 0)
+    handed, screen = [], screen_module.screen
+    monkeypatch.setattr(pipeline, "screen", lambda *a: handed.append(screen(*a)) or handed[-1])
+    W = long_thin_head(np.random.default_rng(3), n=200)
+    report = auditor.audit(W, progress=False)
+    left = int((~handed[0].certified).sum())
+    assert 0 < left <= screen_module._WHITENED_IN_BFLOAT16 and handed[0].centred is None
+    assert set(report.ids("argmaxable")) == qhull_argmaxable(W)
+    assert auditor.verify(report, W).ok

@@ -110,13 +110,15 @@ def centre_pool(head: EngineHead, spread: Pool) -> tuple[Pool, np.ndarray] | Non
     through when moved onto ``spread`` and reduced (from_pool's merge round), and the at most D of them
     the reduced weights use (a basis for the centre: dual_simplex.Basis). Mean-initialised rows sit so
     near the centre that this smaller pool surrounds them too, and, like ``spread``, it depends on the
-    head alone. None when the spread pool does not surround the centre."""
+    head alone. None when the spread pool does not surround the centre. The spread pool's points are spent
+    by the solve (its ``lifted`` gathers them again)."""
     rows = torch.nonzero(head.competitor).flatten().cpu().numpy()
     centre = head.centre.cpu().numpy()  # the uniform weights' combination, found with the head
     if head.bias is not None:
         centre = np.append(centre, float(head.bias[head.competitor].mean()))
     narrowed: list[Pool] = []
-    found = from_pool(head, spread, -1, rows, np.full(rows.size, 1.0 / rows.size), narrowed=narrowed, total=centre)
+    found = from_pool(head, spread, -1, rows, np.full(rows.size, 1.0 / rows.size), narrowed=narrowed, total=centre,
+                      spend=True)
     return (narrowed[0], found[0]) if found is not None and narrowed else None
 
 
@@ -133,8 +135,8 @@ class Pool:
 
 
 def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights: np.ndarray,
-              heaviest: int = 8, narrowed: list[Pool] | None = None, total: np.ndarray | None = None
-              ) -> tuple[np.ndarray, np.ndarray] | None:
+              heaviest: int = 8, narrowed: list[Pool] | None = None, total: np.ndarray | None = None,
+              spend: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
     """Reduce token k's certificate, whose bulk lies near a pool of rows, without a full reduction.
 
     The certificate's ``heaviest`` rows keep their weights; the rest of its mass
@@ -145,6 +147,7 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
     takes one merge round first; its last round's at most 2D rows, a pool around this point, are
     appended to ``narrowed`` when given. ``total``, when the caller has it, is the certificate's point
     sum_i weights_i (w_i, b_i) (without the 1), which spares the pass over the head that finds the rest's.
+    ``spend``: the pool's points are the solve's to spend (its holder lets them go after): no copy of them.
     """
     order = np.argsort(-weights, kind="stable")
     top, rest = order[:heaviest], order[heaviest:]
@@ -161,8 +164,14 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
         if head.bias is not None:
             target = np.append(target, float(dense @ head.bias) / mass)
     others = pool.indices != k  # the token may sit among the rows another token's certificate used
-    # from theta = 0: no token depends on another; the selection is a copy, spent by the solve
-    spread = maximum_entropy_weights(pool.lifted(head)[others, :-1], target, overwrite=True)
+    # from theta = 0: no token depends on another; the selection is a copy, spent by the solve (as are the
+    # pool's own points where the holder spends them)
+    if spend and others.all():
+        points, pool.points = pool.lifted(head), None
+        spread = maximum_entropy_weights(points[:, :-1], target, overwrite=True)
+        del points
+    else:
+        spread = maximum_entropy_weights(pool.lifted(head)[others, :-1], target, overwrite=True)
     if spread is None:
         return None
     union, position = np.unique(np.concatenate([indices[top], pool.indices[others]]), return_inverse=True)
@@ -212,6 +221,13 @@ def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: 
     return found if found is not None else _entropy_newton(offsets, shared, iterations, first)
 
 
+def _with_ridge(matrix: torch.Tensor) -> torch.Tensor:
+    """``matrix`` (a D x D covariance, changed in place) plus a tiny ridge, 1e-14 of its trace, on its diagonal:
+    rows of a normalised head span only a subspace. No D x D identity (an eighth of a head at D = 4097)."""
+    matrix.diagonal().add_(1e-14 * float(matrix.trace()))
+    return matrix
+
+
 _FLOAT32_HESSIANS = 8  # the float32 attempt's Hessians: a pool around the centre of a real head takes 3
 
 
@@ -221,7 +237,6 @@ def _entropy_newton(offsets: np.ndarray, rows: torch.Tensor, iterations: int,
     or float64); ``start``, a Cholesky factor of the Hessian at theta = 0, for the first (chord) steps."""
     narrow = rows.dtype == torch.float32
     theta = np.zeros(offsets.shape[1])
-    identity = torch.eye(offsets.shape[1], dtype=torch.float64)
 
     def weights(t):
         logits = offsets @ t
@@ -246,7 +261,7 @@ def _entropy_newton(offsets: np.ndarray, rows: torch.Tensor, iterations: int,
             hessian = (centred.T @ centred).to(torch.float64)
             del centred
             # a tiny ridge: rows of a normalised head span only a subspace
-            factor, info = torch.linalg.cholesky_ex(hessian + 1e-14 * float(hessian.trace()) * identity)
+            factor, info = torch.linalg.cholesky_ex(_with_ridge(hessian))
             hessians += 1
             if int(info) != 0:
                 if narrow:  # the float32 rounding may leave a singular Hessian indefinite
@@ -295,8 +310,7 @@ def pool_start(points: np.ndarray) -> torch.Tensor | None:
     centred = rows - rows.mean(dim=0)
     covariance = (centred.T @ centred) / points.shape[0]
     del centred
-    ridge = 1e-14 * float(covariance.trace()) * torch.eye(points.shape[1], dtype=torch.float64)
-    factor, info = torch.linalg.cholesky_ex(covariance + ridge)
+    factor, info = torch.linalg.cholesky_ex(_with_ridge(covariance))
     return factor if int(info) == 0 else None
 
 
@@ -319,10 +333,10 @@ def pool_centre(points: np.ndarray, centre: np.ndarray) -> PoolCentre | None:
     if weights is None:
         return None
     offsets = torch.from_numpy(np.subtract(points, centre))
-    hessian = offsets.T @ (offsets * torch.from_numpy(weights)[:, None])
+    offsets *= torch.from_numpy(np.sqrt(weights))[:, None]  # in place: one m x D array
+    hessian = offsets.T @ offsets
     del offsets
-    ridge = 1e-14 * float(hessian.trace()) * torch.eye(hessian.shape[0], dtype=torch.float64)
-    factor, info = torch.linalg.cholesky_ex(hessian + ridge)
+    factor, info = torch.linalg.cholesky_ex(_with_ridge(hessian))
     return PoolCentre(weights, np.asarray(centre, dtype=np.float64), factor) if int(info) == 0 else None
 
 

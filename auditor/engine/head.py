@@ -223,7 +223,7 @@ class EngineHead:
                         for s in range(0, self.n, _BLOCK_ROWS)))
         for s, e, rows in blocks:
             centred = rows[self.competitor[s:e]] - centre
-            covariance += (centred.T @ centred).to(torch.float64)
+            covariance.add_(centred.T @ centred)  # widened as it is added: no float64 copy of the product
         if self.exponent:  # 4^exponent in two steps: each 2^exponent a float64 number
             covariance.mul_(2.0**self.exponent).mul_(2.0**self.exponent)
         return covariance / max(self.n_competitors, 1)
@@ -242,7 +242,9 @@ class EngineHead:
             # covariance leaves its own rounding, about u_32 |C| at most, where float64's would show 0).
             unit = self._covariance_unit
             keep = eigval > eigval.max() * (self.d if unit == UNIT_ROUNDOFF else math.sqrt(self.d)) * 2 * unit
-            self._precision = (eigvec[:, keep] / eigval[keep]) @ eigvec[:, keep].T
+            if not bool(keep.all()):  # (a selection copies: only where directions are dropped)
+                eigval, eigvec = eigval[keep], eigvec[:, keep]
+            self._precision = (eigvec / eigval) @ eigvec.T
         return self._precision
 
     def rows64(self, ids) -> torch.Tensor:

@@ -178,6 +178,8 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
             keep = out.verdict[left] == UNDECIDED
             left, threat = left[keep], threat[keep]
     left, threat = _interior(head, out, left, threat)
+    if routes is not None:
+        routes.let_go()  # the later stages' memory; sparsify builds a basis again if it needs one
     timings["interior"] = time.perf_counter() - clock
 
     # The origin's route (part of the Newton stage) before Frank-Wolfe: the rows it settles lie just

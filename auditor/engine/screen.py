@@ -74,11 +74,18 @@ def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
     result = _screen(head, ids[~won], progress)
     merged = ScreenResult(certified=won.copy(), margin=margin, shift=np.where(won, 1.0, 0.0), scale=scale,
                           runner_up=runner_up, threat=np.full(count, -1, dtype=np.int64),
-                          close_shift=np.full(count, np.nan), close_scale=np.full(count, np.nan),
-                          centred=centred if _tries_whitened(head) else None)  # else freed here
+                          close_shift=np.full(count, np.nan), close_scale=np.full(count, np.nan))
     for name in ("certified", "margin", "shift", "scale", "runner_up", "threat", "close_shift", "close_scale"):
         getattr(merged, name)[~won] = getattr(result, name)
+    # The copy (half a float32 head) goes on to the whitened witnesses only where many tokens are left: for a
+    # few hundred their float32 products and float64 checks cost a few seconds, and the head's covariance and
+    # precision are then formed with the copy freed (the audit's peak memory)
+    if _tries_whitened(head) and int((~merged.certified).sum()) > _WHITENED_IN_BFLOAT16:
+        merged.centred = centred
     return merged
+
+
+_WHITENED_IN_BFLOAT16 = 256  # tokens left after the passes from which the whitened witnesses use the bfloat16 copy
 
 
 def _exact_rows_margin(head: EngineHead, ids: np.ndarray, won: np.ndarray, margin: np.ndarray,

@@ -213,6 +213,11 @@ class CentreRoutes:
                 found[k] = (*certificate, check.residual, check.bias_gap)
         return found
 
+    def let_go(self) -> None:
+        """Let the bases go (each a pool of up to 3D rows and a D x D inverse: at D = 4097 a tenth of a float32
+        head or more) while other stages run; a later route builds them again."""
+        self.bases.clear()
+
     def direct_pivots(self) -> int:
         """The pivots the whole audit allows a direct route (the few-token route allows _DIRECT_PIVOTS): as
         many as sparsify's routes, which a token the route misses would take after the interior stage."""
