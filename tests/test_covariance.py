@@ -19,9 +19,12 @@ def _exact_covariance(head) -> np.ndarray:
     return np.cov(rows[head.competitor.numpy()].T, bias=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("scale", [1.0, 2.0**-12, 2.0**10])
+@pytest.mark.parametrize("dtype, scale", [(dtype, scale) for dtype in (torch.float32, torch.bfloat16, torch.float16)
+                                          for scale in (1.0, 2.0**-12, 2.0**10)]
+                         + [(dtype, scale) for dtype in (torch.float32, torch.bfloat16) for scale in (1e20, 1e-30)])
 def test_a_float32_covariance_is_the_float64_one_to_float32_rounding(rng, dtype, scale, monkeypatch):
+    # (rows of 1e20 and 1e-30 are read as the engine's 2^a times them: products of the stored values would
+    # overflow, or underflow to 0)
     n, d = 700, 24
     spectrum = np.arange(1, d + 1) ** -1.5  # eigenvalues over three decades
     rows = rng.standard_normal((n, d)) * np.sqrt(spectrum) + 3.0 * np.sqrt(spectrum[0]) * np.eye(d)[0]

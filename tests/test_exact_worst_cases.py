@@ -640,11 +640,10 @@ def test_the_issue_rows_lose_two_units_too():
 
 @pytest.fixture(autouse=True)
 def _whitened_witnesses_through_the_bfloat16_copy(monkeypatch):
-    """The whitened witnesses of these small heads go through the bfloat16 product (its allowance is under
-    test), however few tokens the passes leave (the screen hands on its copy only from 256 of them)."""
+    """The whitened witnesses go through the bfloat16 product (its allowance is under test) on any head."""
     from auditor.engine import screen
 
-    monkeypatch.setattr(screen, "_WHITENED_IN_BFLOAT16", 0)
+    monkeypatch.setattr(screen, "_WHITENED_COPY_ENTRIES", 1 << 62)
 
 
 def forced(case: Case) -> dict:

@@ -93,8 +93,8 @@ def _pooled(head: EngineHead, point: torch.Tensor) -> tuple[np.ndarray, np.ndarr
     return (chosen, weights) if weights is not None else None
 
 
-_POOL_HESSIANS = 12  # the pooled solve's float64 Hessians at most (after its float32 ones): a pool whose hull
-# misses the point costs about this many m D^2 products before the whole head's solve takes over
+_POOL_HESSIANS = 12  # the pooled solve's float64 Hessians at most (after at most 8 float32 ones): a pool whose
+# hull misses the point costs up to these m D^2 products before the whole head's solve takes over
 
 
 def _whole_head(head: EngineHead, point: torch.Tensor, iterations: int) -> tuple[np.ndarray, np.ndarray] | None:

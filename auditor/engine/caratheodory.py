@@ -196,8 +196,8 @@ def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: 
     The Hessian (m D^2, the cost of a step) is formed again only when the previous step with an older one
     did not cut the gradient to a quarter (a chord step is O(m D)); ``iterations`` bounds the Hessians, and
     four times as many steps are taken at most. The Hessian only picks the direction of a step: the line
-    search and the gradient, which the weights must bring to 0, stay in float64. So it is first formed in
-    float32 (half the time of the product), for at most _FLOAT32_HESSIANS Hessians; where that does not
+    search and the gradient, which the weights must bring to 0, stay in float64. So it is first formed from
+    float32 products (half the time), by blocks of rows, for at most _FLOAT32_HESSIANS Hessians; where that does not
     converge, or a step fails, Newton's method starts again from theta = 0 with float64 Hessians (float32
     directions can carry theta where the gradient stalls, on points nearly collinear in some coordinates,
     and a float32 Hessian of a singular one may be indefinite). The Hessian and
@@ -215,15 +215,15 @@ def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: 
     offsets = np.subtract(points, target, out=points if overwrite else None)
     scale = max(float(offsets.max()), -float(offsets.min())) or 1.0
     offsets /= scale
-    shared = torch.from_numpy(offsets)  # the same numbers, for the Hessian
     first = start / scale if start is not None else None
-    found = _entropy_newton(offsets, shared.to(torch.float32), min(iterations, _FLOAT32_HESSIANS), first)
-    return found if found is not None else _entropy_newton(offsets, shared, iterations, first)
+    found = _entropy_newton(offsets, torch.float32, min(iterations, _FLOAT32_HESSIANS), first)
+    return found if found is not None else _entropy_newton(offsets, torch.float64, iterations, first)
 
 
 def _with_ridge(matrix: torch.Tensor) -> torch.Tensor:
     """``matrix`` (a D x D covariance, changed in place) plus a tiny ridge, 1e-14 of its trace, on its diagonal:
-    rows of a normalised head span only a subspace. No D x D identity (an eighth of a head at D = 4097)."""
+    rows of a normalised head span only a subspace. No D x D identity (a sixteenth of a float32 head of
+    128256 x 4096)."""
     matrix.diagonal().add_(1e-14 * float(matrix.trace()))
     return matrix
 
@@ -231,11 +231,25 @@ def _with_ridge(matrix: torch.Tensor) -> torch.Tensor:
 _FLOAT32_HESSIANS = 8  # the float32 attempt's Hessians: a pool around the centre of a real head takes 3
 
 
-def _entropy_newton(offsets: np.ndarray, rows: torch.Tensor, iterations: int,
+def _hessian(offsets: np.ndarray, pi: np.ndarray, mean: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """sum_i pi_i (x_i - mean)(x_i - mean)^T (float64, D x D) from ``dtype`` products of blocks of _HESSIAN_ROWS
+    offsets: no m x D copy in either precision."""
+    hessian = torch.zeros(offsets.shape[1], offsets.shape[1], dtype=torch.float64)
+    for s in range(0, offsets.shape[0], _HESSIAN_ROWS):
+        block = torch.from_numpy(offsets[s:s + _HESSIAN_ROWS]) - torch.from_numpy(mean)
+        block = (block * torch.from_numpy(np.sqrt(pi[s:s + _HESSIAN_ROWS]))[:, None]).to(dtype)
+        hessian.add_(block.T @ block)  # a float32 product widened as it is added
+    return hessian
+
+
+_HESSIAN_ROWS = 2048
+
+
+def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
                     start: torch.Tensor | None = None) -> np.ndarray | None:
-    """maximum_entropy_weights' Newton's method from theta = 0, its Hessians formed on ``rows`` (the offsets in float32
-    or float64); ``start``, a Cholesky factor of the Hessian at theta = 0, for the first (chord) steps."""
-    narrow = rows.dtype == torch.float32
+    """maximum_entropy_weights' Newton's method from theta = 0, its Hessians formed in ``dtype`` (float32 or
+    float64) products; ``start``, a Cholesky factor of the Hessian at theta = 0, for the first (chord) steps."""
+    narrow = dtype == torch.float32
     theta = np.zeros(offsets.shape[1])
 
     def weights(t):
@@ -256,10 +270,7 @@ def _entropy_newton(offsets: np.ndarray, rows: torch.Tensor, iterations: int,
         if factor is None or size > previous / 4:  # a Newton step: a fresh Hessian
             if hessians == iterations:
                 break
-            centred = rows - torch.from_numpy(gradient).to(rows.dtype)
-            centred *= torch.from_numpy(np.sqrt(pi)).to(rows.dtype)[:, None]  # in place: one m x D temporary
-            hessian = (centred.T @ centred).to(torch.float64)
-            del centred
+            hessian = _hessian(offsets, pi, gradient, dtype)
             # a tiny ridge: rows of a normalised head span only a subspace
             factor, info = torch.linalg.cholesky_ex(_with_ridge(hessian))
             hessians += 1
@@ -306,10 +317,8 @@ def shared_null_vectors(points: np.ndarray) -> np.ndarray | None:
 def pool_start(points: np.ndarray) -> torch.Tensor | None:
     """A Cholesky factor of the covariance of ``points`` (m x D, float64; uniform weights, a tiny ridge as the
     Hessians take): maximum_entropy_weights' ``start`` for the targets of one pool. None where it fails."""
-    rows = torch.from_numpy(points)
-    centred = rows - rows.mean(dim=0)
-    covariance = (centred.T @ centred) / points.shape[0]
-    del centred
+    uniform = np.full(points.shape[0], 1.0 / points.shape[0])
+    covariance = _hessian(points, uniform, uniform @ points, torch.float64)
     factor, info = torch.linalg.cholesky_ex(_with_ridge(covariance))
     return factor if int(info) == 0 else None
 
@@ -332,18 +341,16 @@ def pool_centre(points: np.ndarray, centre: np.ndarray) -> PoolCentre | None:
     weights = maximum_entropy_weights(points, centre)
     if weights is None:
         return None
-    offsets = torch.from_numpy(np.subtract(points, centre))
-    offsets *= torch.from_numpy(np.sqrt(weights))[:, None]  # in place: one m x D array
-    hessian = offsets.T @ offsets
-    del offsets
+    hessian = _hessian(points, weights, np.asarray(centre, dtype=np.float64), torch.float64)
     factor, info = torch.linalg.cholesky_ex(_with_ridge(hessian))
     return PoolCentre(weights, np.asarray(centre, dtype=np.float64), factor) if int(info) == 0 else None
 
 
 def linear_weights(points: np.ndarray, centre: PoolCentre, target: np.ndarray) -> np.ndarray | None:
-    """Convex weights on a pool's rows (``points`` their lifted points, m x D) reproducing ``target`` (w_k),
-    from the centre's in one linear solve: nu_i = mu_i (1 + theta . (x_i - c)) with H theta = target - c.
-    They sum to 1 (the mu_i (x_i - c) sum to 0) and sum nu_i x_i = c + H theta = target exactly: the
+    """Convex weights on a pool's rows (``points`` their lifted points, m x D) reproducing ``target`` (the
+    lifted point less its last coordinate: w_k, and b_k with a bias), from the centre's in one linear solve:
+    nu_i = mu_i (1 + theta . (x_i - c)) with H theta = target - c. They sum to 1 (the mu_i (x_i - c) sum to
+    0) and sum nu_i x_i = c + H theta = target in exact arithmetic (and for H without its ridge): the
     first-order term of the maximum-entropy weights about the centre, with no Newton's method. Valid where
     every 1 + theta . (x_i - c) is positive, as for a point a short way from the centre in the metric of H
     (their mean square over mu is theta . H theta): rows mean-initialised and rounded to bfloat16 leave them
@@ -356,8 +363,9 @@ def linear_weights(points: np.ndarray, centre: PoolCentre, target: np.ndarray) -
     nu = centre.weights + step(np.subtract(target, centre.point))
     if not np.all(nu > 0):
         return None
+    nu /= nu.sum()  # (its drift from 1 is rounding) before the refinement, which keeps the sum
     nu += step(np.subtract(target, nu @ points[:, :-1]))
-    return nu / nu.sum() if np.all(nu > 0) else None
+    return nu if np.all(nu > 0) else None
 
 
 def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
@@ -384,7 +392,7 @@ def _converged(pi: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
 
 def lifted_points(head: EngineHead, indices: np.ndarray) -> np.ndarray:
     """The rows as points (w_i, b_i, 1) of R^D, float64: one m x D array, filled a block of rows at a time (at
-    D = 4097 a pool of 2D rows is a eighth of a float32 head, and its copies count)."""
+    D = 4097 a pool of 2D rows is an eighth of a float32 head of 128256 rows, and its copies count)."""
     indices = np.asarray(indices, dtype=np.int64).reshape(-1)
     points = np.empty((indices.size, lifted_dimension(head)))
     for s in range(0, indices.size, _GATHER_ROWS):

@@ -11,7 +11,8 @@ simplex method removes them: with cost 0 on the starting basis and 1 on every
 other row the start is dual feasible, and each pivot takes the most negative
 weight out of the basis and brings in the row that keeps the reduced costs
 non-negative. A pivot is one product of a basis-inverse row with the pool's
-rows outside the basis and one solve with the basis, O(m D), the inverse kept
+rows outside the start (and the start's rows that left the basis) and one
+solve with the basis, O(m D), the inverse kept
 in product form (the shared start's and one column per pivot, so that no copy
 of it is made per token); a Carathéodory elimination of the token's own costs
 O(m D^2).
@@ -43,7 +44,8 @@ _REFRESH = 64  # pivots between recomputing the basis inverse and the weights fr
 
 class Basis:
     """A pool of rows in working coordinates and a basis of them (as many rows as the pool spans) with
-    its inverse, the start of every token's dual simplex."""
+    its inverse, the start of every token's dual simplex. ``pool`` holds the pool's rows with the start's
+    first (not in the order given), ``start`` their positions 0..r-1."""
 
     def __init__(self, head: EngineHead, pool: np.ndarray, start: np.ndarray, points: np.ndarray | None = None):
         """``points``: the pool's lifted points when the caller has them (caratheodory.Pool.points)."""
@@ -132,13 +134,15 @@ class Basis:
                     break
             if pivot == max_pivots:
                 return None
-            # the leaving row of B^-1 A: 0 on the basic rows but the leaving one's 1, computed on the others
+            # the leaving row of B^-1 A: computed on the rows outside the start and the start's rows that left
+            # the basis; on the basic rows 0 but the leaving one's 1
             u = inverse_row(leave)
-            row[:r] = 0.0
             row[r:] = self.rest @ u
-            left_start = np.flatnonzero(~basic[:r])  # start rows no longer in the basis
+            left_start = np.flatnonzero(~basic[:r])
+            row[:r] = 0.0
             if left_start.size:
                 row[left_start] = self.points[left_start] @ u
+            row[basis] = 0.0
             row[basis[leave]] = 1.0
             allowed = ~basic & ~banned
             threshold = _PIVOT * float(np.abs(row).max())

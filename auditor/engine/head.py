@@ -20,8 +20,8 @@ import torch
 from auditor._arrays import row_blocks
 from auditor.domain import Domain
 from auditor.engine.power_of_two import float32_times_power, halves, scaled_exactly
-from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, gamma, logit_error_factor,
-                                     safe_norm, underflow_floor)
+from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, gamma,
+                                     ieee_float32_products, logit_error_factor, safe_norm, underflow_floor)
 
 # The head sizes (n d) from which the screen runs the bfloat16 pass and tries whitened witnesses: below
 # them neither pays for itself. Defaults of EngineOptions and EngineHead, read when those are made.
@@ -214,18 +214,19 @@ class EngineHead:
         return self._covariance
 
     def _float32_covariance(self) -> torch.Tensor:
-        """The covariance from float32 products, in the stored rows' own units (2^-exponent times the rows'),
-        scaled back in float64: no scaled copy, and a block of a half-precision head widened at a time."""
-        centre = (self.centre * 2.0**-self.exponent).to(torch.float32)
+        """The covariance from float32 products of the rows as the engine reads them, 2^exponent times the
+        stored ones (a float32 array: normal_form's carry), less the centre rounded to float32: blocks of
+        _BLOCK_ROWS rows made float32 (exactly; the power taken in float64, where it is a number whatever the
+        exponent), their products summed in float64. No copy of the head."""
+        centre = self.centre.to(torch.float32)
         covariance = torch.zeros(self.d, self.d, dtype=torch.float64, device=self.device)
-        blocks = (self.narrow_blocks(False) if self.half
-                  else ((s, min(s + _BLOCK_ROWS, self.n), self.stored[s:s + _BLOCK_ROWS])
-                        for s in range(0, self.n, _BLOCK_ROWS)))
-        for s, e, rows in blocks:
-            centred = rows[self.competitor[s:e]] - centre
-            covariance.add_(centred.T @ centred)  # widened as it is added: no float64 copy of the product
-        if self.exponent:  # 4^exponent in two steps: each 2^exponent a float64 number
-            covariance.mul_(2.0**self.exponent).mul_(2.0**self.exponent)
+        with ieee_float32_products():  # float32's own rounding, not TF32's or bfloat16's
+            for s in range(0, self.n, _BLOCK_ROWS):
+                e = min(self.n, s + _BLOCK_ROWS)
+                rows = (self.stored[s:e].to(torch.float64).mul_(self.power).to(torch.float32) if self.exponent
+                        else self.stored[s:e].to(torch.float32))
+                centred = rows[self.competitor[s:e]] - centre
+                covariance.add_(centred.T @ centred)  # widened as it is added: no float64 copy of the product
         return covariance / max(self.n_competitors, 1)
 
     @property
@@ -238,8 +239,9 @@ class EngineHead:
         if self._precision is None:
             covariance = self.covariance
             eigval, eigvec = torch.linalg.eigh(covariance)
-            # Drop the null directions: the rows of a LayerNorm-ed head span only a subspace (and a float32
-            # covariance leaves its own rounding, about u_32 |C| at most, where float64's would show 0).
+            # Drop the null directions: the rows of a LayerNorm-ed head span only a subspace. A float32
+            # covariance leaves its products' rounding there (about 6e-9 of the largest eigenvalue at 32768 x
+            # 4096, against 0 in float64): its threshold, 2 u_32 sqrt(d) of it, stays well above that.
             unit = self._covariance_unit
             keep = eigval > eigval.max() * (self.d if unit == UNIT_ROUNDOFF else math.sqrt(self.d)) * 2 * unit
             if not bool(keep.all()):  # (a selection copies: only where directions are dropped)

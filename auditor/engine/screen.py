@@ -77,15 +77,17 @@ def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
                           close_shift=np.full(count, np.nan), close_scale=np.full(count, np.nan))
     for name in ("certified", "margin", "shift", "scale", "runner_up", "threat", "close_shift", "close_scale"):
         getattr(merged, name)[~won] = getattr(result, name)
-    # The copy (half a float32 head) goes on to the whitened witnesses only where many tokens are left: for a
-    # few hundred their float32 products and float64 checks cost a few seconds, and the head's covariance and
-    # precision are then formed with the copy freed (the audit's peak memory)
-    if _tries_whitened(head) and int((~merged.certified).sum()) > _WHITENED_IN_BFLOAT16:
+    # The copy (half a float32 head) goes on to the whitened witnesses on heads below _WHITENED_COPY_ENTRIES
+    # entries; on larger ones it is let go here, and the head's covariance and precision are formed without it
+    # (the audit's peak memory): their whitened witnesses take float32 products and float64 checks (at
+    # 128256 x 4096, 98 tokens in a few seconds). A rule of the head alone, so that a token's witness does not
+    # depend on the tokens screened with it.
+    if _tries_whitened(head) and head.n * head.d < _WHITENED_COPY_ENTRIES:
         merged.centred = centred
     return merged
 
 
-_WHITENED_IN_BFLOAT16 = 256  # tokens left after the passes from which the whitened witnesses use the bfloat16 copy
+_WHITENED_COPY_ENTRIES = 1 << 26  # head sizes (n d) below which the whitened witnesses use the bfloat16 copy
 
 
 def _exact_rows_margin(head: EngineHead, ids: np.ndarray, won: np.ndarray, margin: np.ndarray,

@@ -123,9 +123,9 @@ def sparsify(head: EngineHead, out: Decisions, routes: CentreRoutes | None = Non
 
 
 def _route_pivots(dim: int) -> int:
-    """Pivots a route may take before the token goes to a full reduction instead: a pivot is a
-    matrix-vector product with the pool and a rank-one update (O(D^2), memory-bound), and D / 8 of them
-    cost about what a full reduction (merge rounds of O(D^3) matrix products) does."""
+    """Pivots a route may take before the token goes to a full reduction instead: a pivot is three
+    matrix-vector products of D x D blocks (O(D^2), memory-bound: dual_simplex.py), and D / 8 of them cost
+    less than a full reduction (merge rounds of O(D^3) matrix products) does."""
     return max(_DIRECT_PIVOTS, dim // 8)
 
 
@@ -145,7 +145,7 @@ class CentreRoutes:
     3. for certificates of the interior stage, moving the bulk onto either pool
        and one or two eliminations (caratheodory.from_pool).
 
-    The pools are drawn when the routes are made, the bases built at first use;
+    The pools are drawn when the routes are made, the bases built at first use (and again after let_go);
     every pool and basis depends on the head alone, and each token's attempts on
     its own certificate, so a token's certificate does not depend on the tokens
     decided with it (ranks and blocks of ids give the certificates of one whole
@@ -188,7 +188,7 @@ class CentreRoutes:
         factor of the pool's covariance), and one elimination. The pool's points, the centre's weights and
         factor are made once for all of ``ks`` and let go after."""
         found: dict[int, tuple[np.ndarray, np.ndarray, float, float]] = {}
-        if self.centre is None or not ks:
+        if self.centre is None or not ks or self.head.bias is not None:  # (rows without a bias: their point is w_k)
             return found
         pool, _ = self.centre
         points = pool.lifted(self.head)
@@ -204,7 +204,7 @@ class CentreRoutes:
                     alpha = eliminate(points, nu, null)
                     certificate = pool.indices[alpha > 0], alpha[alpha > 0] / alpha[alpha > 0].sum()
             check = check_convex(self.head, k, *certificate) if certificate is not None else None
-            if check is None or not check.accepted:
+            if check is None or not check.accepted or certificate[0].size > self.dim:
                 if not start:
                     start.append(pool_start(points[:, :-1]))
                 certificate = pool_certificate(self.head, pool, points, k, start[0], null)
@@ -215,7 +215,8 @@ class CentreRoutes:
 
     def let_go(self) -> None:
         """Let the bases go (each a pool of up to 3D rows and a D x D inverse: at D = 4097 a tenth of a float32
-        head or more) while other stages run; a later route builds them again."""
+        head or more) while other stages run; a later route builds them again (the same bases: they depend on
+        the head alone), at the cost of their factorisation."""
         self.bases.clear()
 
     def direct_pivots(self) -> int:
