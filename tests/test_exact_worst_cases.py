@@ -643,7 +643,7 @@ def _whitened_witnesses_through_the_bfloat16_copy(monkeypatch):
     """The whitened witnesses go through the bfloat16 product (its allowance is under test) on any head."""
     from auditor.engine import screen
 
-    monkeypatch.setattr(screen, "_WHITENED_COPY_ENTRIES", 1 << 62)
+    monkeypatch.setattr(screen, "_WHITENED_COPY_ROWS", 0)
 
 
 def forced(case: Case) -> dict:

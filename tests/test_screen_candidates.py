@@ -25,7 +25,7 @@ def through_bfloat16(monkeypatch):
     """The bfloat16 pass on a head small enough for the oracles; returns, per call, the whitened witnesses
     the bfloat16 product proves."""
     monkeypatch.setattr(head_module, "BFLOAT16_ENTRIES", 0)
-    monkeypatch.setattr(screen_module, "_WHITENED_COPY_ENTRIES", 1 << 62)  # the copy kept on any head
+    monkeypatch.setattr(screen_module, "_WHITENED_COPY_ROWS", 0)  # the copy kept on any head
     proved = []
     original = low_precision.bfloat16_witnesses
 
@@ -116,16 +116,17 @@ def test_the_bfloat16_whitened_route_proves_what_it_can_and_hands_the_close_call
 
 
 def test_on_a_large_head_the_bfloat16_copy_is_freed_before_the_whitened_witnesses(monkeypatch):
-    # From _WHITENED_COPY_ENTRIES entries the screen hands on no copy (the covariance and precision are then
-    # formed without it: the audit's peak memory), and the whitened witnesses take float32 products and
-    # float64 checks: the same verdicts, qhull's; below it the copy goes on
+    # On a head of fewer than _WHITENED_COPY_ROWS rows per column the screen hands on no copy (the covariance
+    # and precision are then formed without it: the audit's peak memory), and the whitened witnesses take
+    # float32 products and float64 checks: the same verdicts, qhull's; from it the copy goes on
     monkeypatch.setattr(head_module, "WHITENED_ENTRIES", 0)
     monkeypatch.setattr(head_module, "BFLOAT16_ENTRIES", 0)
     handed, screen = [], screen_module.screen
     monkeypatch.setattr(pipeline, "screen", lambda *a: handed.append(screen(*a)) or handed[-1])
     W = long_thin_head(np.random.default_rng(3), n=200)
-    for entries, kept in ((W.size, False), (W.size + 1, True)):
-        monkeypatch.setattr(screen_module, "_WHITENED_COPY_ENTRIES", entries)
+    n, d = W.shape
+    for rows, kept in ((n / d + 0.5, False), (n / d, True)):
+        monkeypatch.setattr(screen_module, "_WHITENED_COPY_ROWS", rows)
         report = auditor.audit(W, progress=False)
         assert int((~handed[-1].certified).sum()) > 0 and (handed[-1].centred is not None) == kept
         assert set(report.ids("argmaxable")) == qhull_argmaxable(W)

@@ -77,17 +77,19 @@ def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
                           close_shift=np.full(count, np.nan), close_scale=np.full(count, np.nan))
     for name in ("certified", "margin", "shift", "scale", "runner_up", "threat", "close_shift", "close_scale"):
         getattr(merged, name)[~won] = getattr(result, name)
-    # The copy (half a float32 head) goes on to the whitened witnesses on heads below _WHITENED_COPY_ENTRIES
-    # entries; on larger ones it is let go here, and the head's covariance and precision are formed without it
-    # (the audit's peak memory): their whitened witnesses take float32 products and float64 checks (at
-    # 128256 x 4096, 98 tokens in a few seconds). A rule of the head alone, so that a token's witness does not
-    # depend on the tokens screened with it.
-    if _tries_whitened(head) and head.n * head.d < _WHITENED_COPY_ENTRIES:
+    # The copy (half a float32 head) goes on to the whitened witnesses where the d x d float64 arrays formed
+    # beside it (the covariance, its eigenvectors, the precision: about 32 d^2 bytes) are at most a quarter
+    # of it (2 n d bytes), n >= _WHITENED_COPY_ROWS d: one bfloat16 product for their rivals. On wider heads it
+    # is let go here, and those arrays are formed without it (the audit's peak memory); the whitened witnesses
+    # then take float32 products and float64 checks (at 128256 x 4096, 98 tokens in a few seconds; at 128256 x
+    # 1024, which keeps the copy, 2661 tokens take 2.3 s with it and 13.7 s without). A rule of the head alone, so
+    # that a token's witness does not depend on the tokens screened with it.
+    if _tries_whitened(head) and head.n >= _WHITENED_COPY_ROWS * head.d:
         merged.centred = centred
     return merged
 
 
-_WHITENED_COPY_ENTRIES = 1 << 26  # head sizes (n d) below which the whitened witnesses use the bfloat16 copy
+_WHITENED_COPY_ROWS = 64  # rows per column from which the whitened witnesses use the bfloat16 copy
 
 
 def _exact_rows_margin(head: EngineHead, ids: np.ndarray, won: np.ndarray, margin: np.ndarray,
