@@ -235,42 +235,26 @@ def test_the_origin_s_weights_come_from_the_rows_leading_towards_it(rng):
         assert lp_margin(W, None, k)[0] <= 1e-9
 
 
-def test_an_origin_the_leading_rows_miss_takes_the_whole_head_s_solve(monkeypatch):
-    # 2.6 standard deviations off the centre a few rows lie beyond the origin along the first Newton step
-    # (at least D / 2, so the pool is tried): the 2D rows that lead towards it do not surround it, their
-    # maximum-entropy solve fails (None), and the whole head's Newton solve finds the origin's certificate, on
-    # which a row at the origin is decided as the LP over all rows decides it.
+@pytest.mark.parametrize("n, d, offset, pool_tried", [(3000, 12, 2.6, True), (2000, 8, 3.0, False)])
+def test_an_origin_the_leading_rows_do_not_hold_takes_the_whole_head_s_solve(n, d, offset, pool_tried, monkeypatch):
+    # 2.6 standard deviations off the centre a few rows lie beyond the origin along the first Newton step (at
+    # least D / 2, so the pool is tried): the 2D rows that lead towards it do not surround it and their
+    # maximum-entropy solve fails (None). At 3 standard deviations fewer than D / 2 lie beyond: no pool is tried
+    # (its solve would miss at the cost of its Hessians). Either way the whole head's Newton solve finds the
+    # origin's certificate, on which a row at the origin is decided as the LP over all rows decides it.
     from auditor.engine import anchor
 
-    n, d = 3000, 12
-    W = trained_like(np.random.default_rng(0), n, d, offset=2.6)
+    W = trained_like(np.random.default_rng(0), n, d, offset=offset)
     W[-1] = 0.0
     head = engine_head(W)
     tried = []
     solve = anchor.maximum_entropy_weights
     monkeypatch.setattr(anchor, "maximum_entropy_weights", lambda *a, **k: tried.append(solve(*a, **k)) or tried[-1])
     assert anchor._pooled(head, anchor._given_origin(head)) is None
-    assert len(tried) == 1 and tried[0] is None  # the pool's solve ran and missed
+    assert tried == ([None] if pool_tried else [])  # the pool's solve ran and missed, or never ran
     assert anchor._Origin(head, 40).basis is not None
     found = anchored_certificates(head, np.array([n - 1]))
     indices, weights, _, _ = found[n - 1]
     assert n - 1 not in indices and indices.size <= d + 1
     assert convex_residual(W, None, n - 1, indices, weights)[0] <= 1e-12
-    assert lp_margin(W, None, n - 1)[0] <= 1e-9
-
-
-def test_an_origin_with_few_rows_beyond_it_skips_the_pool(monkeypatch):
-    # Three standard deviations off the centre fewer than D / 2 rows lie beyond the origin: no pool is tried
-    # (its solve would miss at the cost of its Hessians), and the whole head's solve decides
-    from auditor.engine import anchor
-
-    n, d = 2000, 8
-    W = trained_like(np.random.default_rng(0), n, d, offset=3.0)
-    W[-1] = 0.0
-    head = engine_head(W)
-    tried = []
-    monkeypatch.setattr(anchor, "maximum_entropy_weights", lambda *a, **k: tried.append(a))
-    assert anchor._pooled(head, anchor._given_origin(head)) is None and not tried
-    found = anchored_certificates(head, np.array([n - 1]))
-    assert convex_residual(W, None, n - 1, *found[n - 1][:2])[0] <= 1e-12
     assert lp_margin(W, None, n - 1)[0] <= 1e-9
