@@ -33,7 +33,8 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
           tokens: Iterable[int] | None = None, progress: bool = True, final_norm: FinalNorm | None = None,
           probability_ceiling: bool = False, residual_tol: float = 1e-10, frank_wolfe_iterations: int = 100,
           lp_rounds: int = 10, newton_iterations: int = 40, min_norm_rounds: int = 40, threads: int | None = None,
-          bfloat16_entries: int | None = None, whitened_entries: int | None = None) -> AuditReport:
+          bfloat16_entries: int | None = None, whitened_entries: int | None = None,
+          int8_entries: int | None = None) -> AuditReport:
     """Decide which tokens of a head can be the strict argmax of its logits ``W z + b``.
 
     ``weight`` is an n x d numpy array or torch tensor (float16, bfloat16, float32
@@ -57,9 +58,10 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     fully corrective minimum-norm method that heads of at most 256 dimensions run in the
     unbounded domain before the full Frank-Wolfe stage (docs/method.md, stage 2a); 0 skips it.
 
-    ``bfloat16_entries`` and ``whitened_entries`` are the head sizes (n d) from which the screen runs
-    its bfloat16 pass and tries whitened witnesses (docs/method.md, stage 1); None takes the engine's
-    2^22, below which neither pays for itself. Every certificate holds either way.
+    ``bfloat16_entries``, ``int8_entries`` and ``whitened_entries`` are the head sizes (n d) from which the
+    screen runs its bfloat16 pass, its int8 pass (heads without a bias, in place of the bfloat16 one) and
+    tries whitened witnesses (docs/method.md, stage 1); None takes the engine's 2^22, below which none pays
+    for itself. Every certificate holds either way.
 
     ``threads`` caps the CPU threads torch uses during the call (the previous
     setting is restored afterwards; numpy's and scipy's BLAS run on one thread
@@ -93,7 +95,8 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
                             newton_iterations=newton_iterations, min_norm_rounds=min_norm_rounds,
                             residual_tol=residual_tol,
                             **{name: value for name, value in (("bfloat16_entries", bfloat16_entries),
-                                                               ("whitened_entries", whitened_entries))
+                                                               ("whitened_entries", whitened_entries),
+                                                               ("int8_entries", int8_entries))
                                if value is not None})
     norm_map = None
     if isinstance(parsed_domain, Norm):

@@ -102,7 +102,7 @@ def test_the_bfloat16_whitened_route_proves_what_it_can_and_hands_the_close_call
     won, _, _, lead, allowance = low_precision.bfloat16_witnesses(head, ids, directions, centred)
     close = ~won & (lead > -allowance)
     assert won.sum() >= 10 and close.sum() >= 10  # both routes taken, interleaved among the ids
-    chosen, witnesses, check = screen_module._whitened_in_bfloat16(head, ids, directions, centred)
+    chosen, witnesses, check = screen_module._whitened_in_low_precision(head, ids, directions, centred)
     assert np.array_equal(chosen, np.nonzero(won | close)[0])
     assert torch.equal(witnesses, directions[torch.as_tensor(chosen)])
     float64 = check_witnesses_sharpened(head, ids[chosen], witnesses)  # the float64 check of every chosen one

@@ -27,6 +27,9 @@ from auditor.engine.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_
 # them neither pays for itself. Defaults of EngineOptions and EngineHead, read when those are made.
 BFLOAT16_ENTRIES = 1 << 22
 WHITENED_ENTRIES = 1 << 22
+# From this size a head without a bias is screened by the int8 pass (integer_pass.py) where the device's int8
+# product is exact, and by the bfloat16 pass otherwise.
+INT8_ENTRIES = 1 << 22
 # The covariance's work (n d^2) from which its products are float32's on a float32 or half-precision head
 # (EngineHead.covariance): the Llama-3 shape's at width 1024 and up, not the GPT-2 shape's.
 FLOAT32_COVARIANCE_WORK = 1 << 36
@@ -73,6 +76,7 @@ class EngineHead:
     # the sizes (n d) from which the screen runs the bfloat16 pass and tries whitened witnesses (EngineOptions)
     bfloat16_entries: int = field(default_factory=lambda: BFLOAT16_ENTRIES)
     whitened_entries: int = field(default_factory=lambda: WHITENED_ENTRIES)
+    int8_entries: int = field(default_factory=lambda: INT8_ENTRIES)
     # the rows are 2^exponent ``stored``: a float32 head kept as it is in a few tokens' audit (the normal form's
     # carry), 2^exponent ``stored`` a float32 array; the passes such an audit makes take the power of two on
     # their side (rows64, blocks, the screen's products), and ``weight`` makes the scaled copy for any other,

@@ -203,7 +203,7 @@ def _strongest_rivals(left: torch.Tensor, rows: CentredRows, k: torch.Tensor, ot
     return block.max(dim=1)
 
 
-def _recheck_needs(head: EngineHead, k: torch.Tensor, norm_z: torch.Tensor) -> torch.Tensor:
+def recheck_needs(head: EngineHead, k: torch.Tensor, norm_z: torch.Tensor) -> torch.Tensor:
     """What the float64 re-check of a witness of norm at most ``norm_z`` for tokens k needs it to lead by:
     its rounding bound, the derived rows' error bounds (the norm domain's) and the verdict rule's lead."""
     own_bias = head.bias[k].abs() if head.bias is not None else 0.0
@@ -276,7 +276,7 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None, rows: Centre
             # and the rounding of this float64 arithmetic itself (a few operations on these magnitudes)
             lower = lead - top - slack - 8 * UNIT_ROUNDOFF * (lead.abs() + top.abs() + slack)
             norm_z = s_k * safe_norm(directions, dim=1) * (1 + 2.0**-20)  # >= ||z||, z = s y_k
-            needed = _recheck_needs(head, k, norm_z)
+            needed = recheck_needs(head, k, norm_z)
             won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top) & valid
             if head.domain.bounded:
                 won &= head.domain.contains_rows(directions * s_k[:, None], safe_norm)
@@ -324,7 +324,7 @@ def bfloat16_witnesses(head: EngineHead, ids: np.ndarray, witnesses: torch.Tenso
                  + gamma(d + 2) * norm_z * rows.size[k])
     # and the rounding of this float64 arithmetic itself
     lower = lead - allowance - 8 * UNIT_ROUNDOFF * (own.abs() + top.abs() + allowance)
-    needed = _recheck_needs(head, k, norm_z)
+    needed = recheck_needs(head, k, norm_z)
     won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top)
     if head.domain.bounded:
         won &= head.domain.contains_rows(witnesses, safe_norm)

@@ -65,7 +65,7 @@ _DUAL_FACTOR = 4
 _QUICK_ITERATIONS = 16  # Frank-Wolfe iterations for witnesses before the minimum-norm rounds
 _DIRECT_LP_WIDTH = 8  # heads of at most this width go from the interior stage straight to the exact LP
 _FEW_SHARE = 64  # at most 1/64 of the competitors requested: the few-token route (decide)
-_NEVER = 1 << 62  # a head size no head reaches: switches the bfloat16 pass and whitened witnesses off
+_NEVER = 1 << 62  # a head size no head reaches: switches the low-precision passes and whitened witnesses off
 
 
 @dataclass
@@ -85,6 +85,9 @@ class EngineOptions:
     # without a bias, try whitened witnesses before Frank-Wolfe: below them neither pays for itself
     bfloat16_entries: int = field(default_factory=lambda: head_module.BFLOAT16_ENTRIES)
     whitened_entries: int = field(default_factory=lambda: head_module.WHITENED_ENTRIES)
+    # heads without a bias of at least this many entries take the int8 pass instead of the bfloat16 one
+    # where the device's int8 product is exact (integer_pass.py)
+    int8_entries: int = field(default_factory=lambda: head_module.INT8_ENTRIES)
 
 
 @dataclass
@@ -128,6 +131,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
                              form.row_error, form.bias_error, form.median, form.facts, form.stored_exponent)
     head.decide_at_tolerance = options.decide_at_tolerance
     head.bfloat16_entries, head.whitened_entries = options.bfloat16_entries, options.whitened_entries
+    head.int8_entries = options.int8_entries
     if form.translation is not None:
         head.origin = times_power_of_two(-form.translation.to(torch.float64), form.weight_exponent)
     if row_error is None and bias_error is None and (form.row_error is not None or form.bias_error is not None):
@@ -147,7 +151,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
 
     clock = time.perf_counter()
     # the screen sees the head with both passes off (the same rows and facts; its sizes say "never")
-    left, threat = _screen(replace(head, bfloat16_entries=_NEVER, whitened_entries=_NEVER) if few else head,
+    left, threat = _screen(replace(head, bfloat16_entries=_NEVER, whitened_entries=_NEVER, int8_entries=_NEVER) if few else head,
                            out, todo, progress)
     timings["screen"] = time.perf_counter() - clock
 

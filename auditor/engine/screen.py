@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from auditor.engine import low_precision
+from auditor.engine import integer_pass, low_precision
 from auditor.engine.certify import WitnessCheck, check_witnesses_sharpened, derived_error, inside_domain
 from auditor.engine.head import EngineHead
 from auditor.engine.power_of_two import float32_times_power
@@ -60,16 +60,23 @@ class ScreenResult:
     threat: np.ndarray  # the strongest rival at z = w_k (starts Frank-Wolfe)
     close_shift: np.ndarray  # for uncertified tokens: the candidate that won by less than its
     close_scale: np.ndarray  # rounding bound (nan where none won at all), re-checked in float64
-    centred: low_precision.CentredRows | None = None  # the bfloat16 pass's rows, for the whitened witnesses
+    # the low-precision pass's copy of the rows, for the whitened witnesses
+    centred: low_precision.CentredRows | integer_pass.IntegerRows | None = None
 
 
 def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
-    """The bfloat16 pass first where it applies (low_precision.py); the float32 (or float64) pass for the rest."""
+    """A low-precision pass first where one applies: the int8 pass (integer_pass.py) on heads without a bias
+    whose device multiplies int8 exactly, else the bfloat16 pass (low_precision.py); the float32 (or float64)
+    pass for the rest."""
     count = len(ids)
-    if not (count and low_precision.applies(head)):
+    if count and integer_pass.applies(head):
+        copy = integer_pass.integer_rows(head)
+        won, margin, scale, runner_up = integer_pass.int8_pass(head, ids, progress, copy)
+    elif count and low_precision.applies(head):
+        copy = low_precision.centred_rows(head)
+        won, margin, scale, runner_up = low_precision.bfloat16_pass(head, ids, progress, copy)
+    else:
         return _screen(head, ids, progress)
-    centred = low_precision.centred_rows(head)
-    won, margin, scale, runner_up = low_precision.bfloat16_pass(head, ids, progress, centred)
     margin = _exact_rows_margin(head, ids, won, margin, scale)
     result = _screen(head, ids[~won], progress)
     merged = ScreenResult(certified=won.copy(), margin=margin, shift=np.where(won, 1.0, 0.0), scale=scale,
@@ -77,15 +84,16 @@ def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
                           close_shift=np.full(count, np.nan), close_scale=np.full(count, np.nan))
     for name in ("certified", "margin", "shift", "scale", "runner_up", "threat", "close_shift", "close_scale"):
         getattr(merged, name)[~won] = getattr(result, name)
-    # The copy (half a float32 head) goes on to the whitened witnesses where the d x d float64 arrays formed
-    # beside it (the covariance, its eigenvectors, the precision: about 32 d^2 bytes) are at most a quarter
-    # of it (2 n d bytes), n >= _WHITENED_COPY_ROWS d: one bfloat16 product for their rivals. On wider heads it
-    # is let go here, and those arrays are formed without it (the audit's peak memory); the whitened witnesses
-    # then take float32 products and float64 checks (at 128256 x 4096, 98 tokens in a few seconds; at 128256 x
-    # 1024, which keeps the copy, 2661 tokens take 2.3 s with it and 13.7 s without). A rule of the head alone, so
-    # that a token's witness does not depend on the tokens screened with it.
+    # The copy (a quarter or half of a float32 head) goes on to the whitened witnesses where the d x d float64
+    # arrays formed beside it (the covariance, its eigenvectors, the precision: about 32 d^2 bytes) are at most
+    # a quarter of a bfloat16 copy (2 n d bytes), n >= _WHITENED_COPY_ROWS d: one low-precision product for
+    # their rivals. On wider heads it is let go here, and those arrays are formed without it (the audit's peak
+    # memory); the whitened witnesses then take float32 products and float64 checks (at 128256 x 4096, 98
+    # tokens in a few seconds; at 128256 x 1024, which keeps the copy, 2661 tokens take 2.3 s with it and 13.7 s
+    # without). A rule of the head alone, so that a token's witness does not depend on the tokens screened with
+    # it.
     if _tries_whitened(head) and head.n >= _WHITENED_COPY_ROWS * head.d:
-        merged.centred = centred
+        merged.centred = copy
     return merged
 
 
@@ -382,14 +390,15 @@ def _tries_whitened(head: EngineHead) -> bool:
     return head.bias is None and head.n * head.d >= head.whitened_entries
 
 
-def whitened_witnesses(head: EngineHead, ids: np.ndarray, centred: low_precision.CentredRows | None = None
+def whitened_witnesses(head: EngineHead, ids: np.ndarray,
+                       centred: low_precision.CentredRows | integer_pass.IntegerRows | None = None
                        ) -> tuple[np.ndarray, torch.Tensor, WitnessCheck | None]:
     """A third candidate for the tokens the formula witnesses left, on large heads without a bias:
     z = s C^+ (w_k - m), the self-direction in the metric that makes the head round (C the covariance
     of the rows, m their mean). Where the rows are long and thin, that is where a row on the rim of the
     cloud leads, and one product for these few tokens costs less than Frank-Wolfe's passes over a large
-    head. With the bfloat16 pass's rows (``centred``) one bfloat16 product proves the candidates that
-    lead beyond its allowance, and the float64 check takes those within it; otherwise candidates that
+    head. With the low-precision pass's rows (``centred``) one int8 or bfloat16 product proves the
+    candidates that lead beyond its allowance, and the float64 check takes those within it; otherwise candidates that
     lead in a float32 product are checked in float64 like any witness.
     Returns (the positions in ``ids`` that were checked, their witnesses, the check), the check None
     when nothing was tried."""
@@ -400,8 +409,8 @@ def whitened_witnesses(head: EngineHead, ids: np.ndarray, centred: low_precision
     directions = (head.rows64(k) - head.centre) @ head.precision
     if head.domain.bounded:
         directions = directions * head.domain.largest_scales(directions)[:, None]
-    if centred is not None and centred.values.shape[1] == head.d:
-        return _whitened_in_bfloat16(head, ids, directions, centred)
+    if isinstance(centred, integer_pass.IntegerRows) or (centred is not None and centred.values.shape[1] == head.d):
+        return _whitened_in_low_precision(head, ids, directions, centred)
     promising = []
     step = max(1, (1 << 23) // head.n)
     rows = torch.arange(len(ids), device=head.device)
@@ -420,9 +429,12 @@ def whitened_witnesses(head: EngineHead, ids: np.ndarray, centred: low_precision
     return chosen, witnesses, check_witnesses_sharpened(head, ids[chosen], witnesses)
 
 
-def _whitened_in_bfloat16(head: EngineHead, ids: np.ndarray, directions: torch.Tensor,
-                          centred: low_precision.CentredRows) -> tuple[np.ndarray, torch.Tensor, WitnessCheck | None]:
-    won, margin, runner_up, lead, allowance = low_precision.bfloat16_witnesses(head, ids, directions, centred)
+def _whitened_in_low_precision(head: EngineHead, ids: np.ndarray, directions: torch.Tensor,
+                               centred: low_precision.CentredRows | integer_pass.IntegerRows
+                               ) -> tuple[np.ndarray, torch.Tensor, WitnessCheck | None]:
+    bounds = (integer_pass.int8_witnesses if isinstance(centred, integer_pass.IntegerRows)
+              else low_precision.bfloat16_witnesses)
+    won, margin, runner_up, lead, allowance = bounds(head, ids, directions, centred)
     close = np.nonzero(~won & (lead > -allowance))[0]  # within the allowance either way: float64 decides
     chosen = np.sort(np.concatenate([np.nonzero(won)[0], close]))
     if not chosen.size:
