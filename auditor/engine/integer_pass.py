@@ -67,7 +67,9 @@ _INT32_MAX = int(torch.iinfo(torch.int32).max)
 _MASKED = int(torch.iinfo(torch.int32).min)  # below any product (|q_i . q_x| <= 127^2 width < 2^31 - 1)
 _FRACTION_BITS = 7  # q = y / 2^(E - 7): 2^6 <= max |q| <= 2^7 before the clamp
 _STEPS = 8  # at most this many grid steps, 2^e_max down to 2^(e_max - 7)
-_BLOCK_BUDGET = 1 << 26  # entries of one chunk x n int32 block (256 MiB: the product runs at 0.67 of its speed at a quarter)
+# Entries of one chunk x n int32 block: a quarter of the head's entries, at least 2^24 (64 MiB) and at most 2^26
+# (256 MiB; at 128256 x 4096 the product runs at 0.67 of its speed on a block a quarter of that).
+_BLOCK_LEAST, _BLOCK_MOST = 1 << 24, 1 << 26
 _ROWS_BLOCK = 1024  # rows formed in float64 at once while the copy is made
 _ALIGN = 8  # widths and row counts padded to multiples of this (the int8 kernels of GPUs ask for it)
 _MIN_CHUNK = 32  # GPUs' int8 kernels ask for more than 16 rows on the left
@@ -234,7 +236,8 @@ def _product(rows: IntegerRows, left: torch.Tensor, block: torch.Tensor, positio
 
 def _chunk_rows(head: EngineHead) -> int:
     """The rows of the left block of every product the pass makes on this head (the probe's shape too)."""
-    return max(_MIN_CHUNK, _padded(max(1, min(4096, _BLOCK_BUDGET // _padded(head.n)))))
+    budget = min(_BLOCK_MOST, max(_BLOCK_LEAST, head.n * head.d // 4))
+    return max(_MIN_CHUNK, _padded(max(1, min(4096, budget // _padded(head.n)))))
 
 
 def _blocks(head: EngineHead, count: int, rows: IntegerRows) -> tuple[int, torch.Tensor, torch.Tensor]:
