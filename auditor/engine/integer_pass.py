@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from auditor.engine.head import EngineHead
-from auditor.engine.low_precision import recheck_needs
+from auditor.engine.low_precision import recheck_needs, record_self_witnesses
 from auditor.engine.rounding import UNIT_ROUNDOFF, float32_towards_zero, gamma, safe_norm
 
 LIMIT = int(torch.iinfo(torch.int8).max)  # 127: |q| <= 127, so that -q is an int8 too
@@ -288,19 +288,8 @@ def int8_pass(head: EngineHead, ids: np.ndarray, progress=None, rows: IntegerRow
         # at z = s_k y_k: both terms scaled (one rounding each), the difference one more
         lead, top = s_k * lead, s_k * top
         lower = lead - top - 4 * UNIT_ROUNDOFF * (lead.abs() + top.abs())
-        norm_z = s_k * safe_norm(directions, dim=1) * (1 + 2.0**-20)  # >= ||z||, z = s y_k
-        needed = recheck_needs(head, k, norm_z)
-        won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top) & valid
-        if head.domain.bounded:
-            won &= head.domain.contains_rows(directions * s_k[:, None], safe_norm)
-        won_np = won.cpu().numpy()
-        certified[part] = won_np
-        reported = lower if head.domain.bounded else lower / rows.size[k]
-        margin[part] = np.where(won_np, reported.cpu().numpy(), -np.inf)
-        scale[part] = s_k.cpu().numpy()
-        runner_up[part] = rival.cpu().numpy()
-        if progress is not None:
-            progress.update(int(won_np.sum()))
+        record_self_witnesses(head, k, lower, top, valid, directions, s_k, rows.size[k], rival, part,
+                              (certified, margin, scale, runner_up), progress)
     log.debug("int8 screen on %s: %d of %d tokens proved, the float32 pass takes the rest",
               device, int(certified.sum()), count)
     return certified, margin, scale, runner_up

@@ -219,6 +219,29 @@ def bias_allowance(phi: float, s_k: torch.Tensor, sigma: torch.Tensor, spread: f
     return s_k * phi * sigma * spread + ((s_k * sigma - 1).abs() + 2.0**-50) * spread + 2.0**-50 * (own.abs() + spread)
 
 
+def record_self_witnesses(head: EngineHead, k: torch.Tensor, lower: torch.Tensor, top: torch.Tensor,
+                          valid: torch.Tensor, directions: torch.Tensor, s_k: torch.Tensor, size_k: torch.Tensor,
+                          rival: torch.Tensor, part: slice, out: tuple, progress=None) -> None:
+    """A low-precision pass's verdicts for one chunk of tokens k at z = s_k (w_k - c): certified where the lower
+    bound ``lower`` of the margin there exceeds what the float64 re-check needs, ``top`` is finite and z lies in
+    the domain; recorded into ``out`` = (certified, margin, scale, runner_up) at ``part``, the margin per unit
+    of ||z|| when unbounded (``size_k`` >= ||w_k - c||)."""
+    certified, margin, scale, runner_up = out
+    norm_z = s_k * safe_norm(directions, dim=1) * (1 + 2.0**-20)  # >= ||z||, z = s y_k
+    needed = recheck_needs(head, k, norm_z)
+    won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top) & valid
+    if head.domain.bounded:
+        won &= head.domain.contains_rows(directions * s_k[:, None], safe_norm)
+    won_np = won.cpu().numpy()
+    certified[part] = won_np
+    reported = lower if head.domain.bounded else lower / size_k
+    margin[part] = np.where(won_np, reported.cpu().numpy(), -np.inf)
+    scale[part] = s_k.cpu().numpy()
+    runner_up[part] = rival.cpu().numpy()
+    if progress is not None:
+        progress.update(int(won_np.sum()))
+
+
 def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None, rows: CentredRows | None = None):
     """(certified, margin, scale, runner_up) for tokens ``ids`` at the witnesses z = s (w_k - c), s = 1 when
     unbounded and otherwise the largest scale inside the domain: ``margin`` a lower bound on the exact
@@ -275,19 +298,8 @@ def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None, rows: Centre
                 slack = s_k * (phi * reach * size[k] + underflow_allowance(d, reach, size[k]))
             # and the rounding of this float64 arithmetic itself (a few operations on these magnitudes)
             lower = lead - top - slack - 8 * UNIT_ROUNDOFF * (lead.abs() + top.abs() + slack)
-            norm_z = s_k * safe_norm(directions, dim=1) * (1 + 2.0**-20)  # >= ||z||, z = s y_k
-            needed = recheck_needs(head, k, norm_z)
-            won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top) & valid
-            if head.domain.bounded:
-                won &= head.domain.contains_rows(directions * s_k[:, None], safe_norm)
-            won_np = won.cpu().numpy()
-            certified[part] = won_np
-            reported = lower if head.domain.bounded else lower / size[k]
-            margin[part] = np.where(won_np, reported.cpu().numpy(), -np.inf)
-            scale[part] = s_k.cpu().numpy()
-            runner_up[part] = rival.cpu().numpy()
-            if progress is not None:
-                progress.update(int(won_np.sum()))
+            record_self_witnesses(head, k, lower, top, valid, directions, s_k, size[k], rival, part,
+                                  (certified, margin, scale, runner_up), progress)
     log.debug("bfloat16 screen on %s: %d of %d tokens proved, the float32 pass takes the rest",
               device, int(certified.sum()), count)
     return certified, margin, scale, runner_up
