@@ -189,3 +189,49 @@ def test_a_start_of_fewer_than_d_rows_is_completed_from_the_pool(rng):
             inside += 1
             assert_certificate(head, W, k, found)
     assert inside > 20
+
+
+def test_a_basis_given_its_points_spends_them_and_answers_as_one_that_gathers_them(rng):
+    # the pool's points, when the caller hands them over, are scaled and reordered where they lie: the basis is
+    # the same as one gathering its own copy, down to the bit
+    d = 24
+    old = (rng.standard_normal((3000, d)) * np.arange(1, d + 1) ** -0.7 + 0.3).astype(np.float32)
+    W = np.vstack([old, mean_initialised(old, 4, rng)])
+    head = engine_head(W)
+    pool, support = centre_pool(head, spread_pool(head))
+    given = lifted_points(head, pool.indices)
+    spent = Basis(head, pool.indices, support, given)
+    gathered = Basis(head, pool.indices, support)
+    assert np.shares_memory(spent.points, given)
+    assert np.array_equal(spent.points, gathered.points) and np.array_equal(spent.pool, gathered.pool)
+    assert np.array_equal(spent.inverse, gathered.inverse)
+    # the start's inverse is that of its points as columns
+    start = spent.points[spent.start]
+    assert np.abs(spent.inverse @ start.T - np.eye(d + 1)).max() < 1e-8
+    for k in range(3000, 3004):
+        a, b = spent.certificate(k, max_pivots=d + 1), gathered.certificate(k, max_pivots=d + 1)
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 64])
+def test_rows_reordered_in_place_as_by_a_gather(rng, m):
+    from auditor.engine.dual_simplex import _reorder_rows
+    for _ in range(20):
+        rows = rng.standard_normal((m, 5))
+        order = rng.permutation(m)
+        want = rows[order]
+        _reorder_rows(rows, order)
+        assert np.array_equal(rows, want)
+
+
+def test_the_inverse_written_over_its_matrix_is_the_inverse_of_its_transpose(rng):
+    from auditor.engine.dual_simplex import _inverse_if_well_conditioned
+    square = rng.standard_normal((40, 40))
+    want = np.linalg.inv(square.T)
+    copy = square.copy()
+    found = _inverse_if_well_conditioned(copy)
+    assert np.shares_memory(found, copy)  # no second 40 x 40 array
+    assert np.abs(found - want).max() <= 1e-10 * np.abs(want).max()
+    singular = square.copy()
+    singular[3] = singular[5] * 2.0  # a row twice another: rank 39, refused rather than inverted
+    assert _inverse_if_well_conditioned(singular) is None

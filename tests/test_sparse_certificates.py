@@ -215,3 +215,13 @@ def test_mean_initialised_rows_are_reduced_through_rows_drawn_around_the_centre(
             assert support.size <= 17 and k not in support
             assert check_convex(head, k, support, weights).accepted
             assert np.linalg.norm(weights @ W64[support] - W64[k]) < 1e-12 * np.linalg.norm(W64[k])
+
+
+def test_the_lu_factors_written_over_a_column_major_matrix_are_torchs(rng):
+    from auditor.engine.caratheodory import lu_in_place
+    matrix = rng.standard_normal((30, 12))
+    want, pivots, _ = torch.linalg.lu_factor_ex(torch.from_numpy(matrix))
+    columns = torch.from_numpy(np.asfortranarray(matrix))
+    factors, found, info = lu_in_place(columns)
+    assert info == 0 and torch.equal(factors, want) and torch.equal(found, pivots)
+    assert factors.data_ptr() == columns.data_ptr()  # written over the matrix itself

@@ -149,8 +149,8 @@ def anchored_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 4
             if not own < 1.0:
                 continue
             indices, weights = indices[~mine], weights[~mine] / (1.0 - own)
-        if indices.size > dim:
-            weights = eliminate(lifted_points(head, indices), weights)
+        if indices.size > dim:  # the points handed over, column-major: factored where they lie
+            weights = eliminate([lifted_points(head, indices, column_major=True)], weights)
             indices, weights = indices[weights > 0], weights[weights > 0]
         check = check_convex(head, k, indices, weights)
         if check.accepted:

@@ -49,7 +49,8 @@ def reduce_support(head: EngineHead, indices: np.ndarray, weights: np.ndarray
     dim = lifted_dimension(head)
     while indices.size > 2 * dim:
         merge = _Merge(head, indices, alpha)
-        indices, alpha = merge.keep(eliminate(merge.means, merge.mass))
+        means, merge.means = [merge.means], None  # handed over: the elimination spends them
+        indices, alpha = merge.keep(eliminate(means, merge.mass))
     points = lifted_points(head, indices)
     pool = Pool(indices, points)
     if indices.size > dim:
@@ -81,7 +82,8 @@ class _Merge:
         self.indices, self.alpha = indices, alpha
         self.label = np.argsort(np.argsort(-alpha, kind="stable"), kind="stable") % groups
         self.mass = np.bincount(self.label, weights=alpha, minlength=groups)
-        self.means = _group_means(head, indices, alpha, self.label, groups) / self.mass[:, None]
+        self.means = _group_means(head, indices, alpha, self.label, groups)
+        self.means /= self.mass[:, None]
 
     def keep(self, kept_mass: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         alpha = self.alpha * (kept_mass / self.mass)[self.label]
@@ -237,7 +239,7 @@ def _hessian(offsets: np.ndarray, pi: np.ndarray, mean: np.ndarray, dtype: torch
     hessian = torch.zeros(offsets.shape[1], offsets.shape[1], dtype=torch.float64)
     for s in range(0, offsets.shape[0], _HESSIAN_ROWS):
         block = torch.from_numpy(offsets[s:s + _HESSIAN_ROWS]) - torch.from_numpy(mean)
-        block = (block * torch.from_numpy(np.sqrt(pi[s:s + _HESSIAN_ROWS]))[:, None]).to(dtype)
+        block = block.mul_(torch.from_numpy(np.sqrt(pi[s:s + _HESSIAN_ROWS]))[:, None]).to(dtype)
         hessian.add_(block.T @ block)  # a float32 product widened as it is added
     return hessian
 
@@ -261,7 +263,6 @@ def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
 
     pi, current = weights(theta)
     factor, hessians, previous = start, 0, np.inf
-    hessian = None
     for _ in range(4 * iterations):
         gradient = pi @ offsets
         size = float(np.abs(gradient).max())
@@ -270,23 +271,26 @@ def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
         if factor is None or size > previous / 4:  # a Newton step: a fresh Hessian
             if hessians == iterations:
                 break
-            hessian = _hessian(offsets, pi, gradient, dtype)
-            # a tiny ridge: rows of a normalised head span only a subspace
-            factor, info = torch.linalg.cholesky_ex(_with_ridge(hessian))
+            # The old factor is let go before the new Hessian is formed, and the factor is written over the
+            # Hessian (a tiny ridge first: rows of a normalised head span only a subspace): one D x D array
+            # at a time, where the singular case's least squares forms the Hessian again.
+            factor = None
+            factor, info = cholesky_in_place(_with_ridge(_hessian(offsets, pi, gradient, dtype)))
             hessians += 1
-            if int(info) != 0:
+            if info != 0:
                 if narrow:  # the float32 rounding may leave a singular Hessian indefinite
                     return None
                 factor = None
         previous = size
         step = (torch.cholesky_solve(torch.from_numpy(gradient)[:, None], factor)[:, 0].numpy()
                 if factor is not None else None)
-        if (step is None or not np.all(np.isfinite(step))) and hessian is None:  # the shared start failed:
+        if (step is None or not np.all(np.isfinite(step))) and hessians == 0:  # the shared start failed:
             factor, previous = None, np.inf  # a fresh Hessian next
             continue
         if step is None or not np.all(np.isfinite(step)):  # singular: not positive definite, or NaN
+            hessian = _with_ridge(_hessian(offsets, pi, gradient, dtype))
             step = np.linalg.lstsq(hessian.numpy(), gradient, rcond=None)[0]
-            factor = None
+            hessian = factor = None
         slope = float(gradient @ step)
         if not slope > 0:
             return None
@@ -318,9 +322,8 @@ def pool_start(points: np.ndarray) -> torch.Tensor | None:
     """A Cholesky factor of the covariance of ``points`` (m x D, float64; uniform weights, a tiny ridge as the
     Hessians take): maximum_entropy_weights' ``start`` for the targets of one pool. None where it fails."""
     uniform = np.full(points.shape[0], 1.0 / points.shape[0])
-    covariance = _hessian(points, uniform, uniform @ points, torch.float64)
-    factor, info = torch.linalg.cholesky_ex(_with_ridge(covariance))
-    return factor if int(info) == 0 else None
+    factor, info = cholesky_in_place(_with_ridge(_hessian(points, uniform, uniform @ points, torch.float64)))
+    return factor if info == 0 else None
 
 
 @dataclass
@@ -341,9 +344,9 @@ def pool_centre(points: np.ndarray, centre: np.ndarray) -> PoolCentre | None:
     weights = maximum_entropy_weights(points, centre)
     if weights is None:
         return None
-    hessian = _hessian(points, weights, np.asarray(centre, dtype=np.float64), torch.float64)
-    factor, info = torch.linalg.cholesky_ex(_with_ridge(hessian))
-    return PoolCentre(weights, np.asarray(centre, dtype=np.float64), factor) if int(info) == 0 else None
+    factor, info = cholesky_in_place(_with_ridge(_hessian(points, weights, np.asarray(centre, dtype=np.float64),
+                                                            torch.float64)))
+    return PoolCentre(weights, np.asarray(centre, dtype=np.float64), factor) if info == 0 else None
 
 
 def linear_weights(points: np.ndarray, centre: PoolCentre, target: np.ndarray) -> np.ndarray | None:
@@ -390,11 +393,12 @@ def _converged(pi: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
     return pi if np.abs(pi @ offsets).max() <= 1e-12 else None
 
 
-def lifted_points(head: EngineHead, indices: np.ndarray) -> np.ndarray:
+def lifted_points(head: EngineHead, indices: np.ndarray, column_major: bool = False) -> np.ndarray:
     """The rows as points (w_i, b_i, 1) of R^D, float64: one m x D array, filled a block of rows at a time (at
-    D = 4097 a pool of 2D rows is an eighth of a float32 head of 128256 rows, and its copies count)."""
+    D = 4097 a pool of 2D rows is an eighth of a float32 head of 128256 rows, and its copies count);
+    ``column_major`` for points an elimination is handed to factor where they lie (_null_vectors)."""
     indices = np.asarray(indices, dtype=np.int64).reshape(-1)
-    points = np.empty((indices.size, lifted_dimension(head)))
+    points = np.empty((indices.size, lifted_dimension(head)), order="F" if column_major else "C")
     for s in range(0, indices.size, _GATHER_ROWS):
         points[s:s + _GATHER_ROWS, :head.d] = head.rows(indices[s:s + _GATHER_ROWS])
     if head.bias is not None:
@@ -405,26 +409,40 @@ def lifted_points(head: EngineHead, indices: np.ndarray) -> np.ndarray:
 
 def _group_means(head: EngineHead, indices: np.ndarray, alpha: np.ndarray, label: np.ndarray,
                  groups: int) -> np.ndarray:
-    """sum_{i in group g} alpha_i (w_i, b_i, 1) for every group, gathering rows by blocks on the device."""
+    """sum_{i in group g} alpha_i (w_i, b_i, 1) for every group, gathering rows by blocks on the device: one
+    column-major groups x D array (eliminate factors it where it lies: at D = 4097 a merge round's is a tenth of
+    a head), the sums formed row-major (contiguous row additions) and copied in."""
     total = torch.zeros(groups, head.d, dtype=torch.float64, device=head.device)
     for s in range(0, indices.size, _GATHER_ROWS):
         rows = head.rows64(indices[s:s + _GATHER_ROWS])
         weights = torch.as_tensor(alpha[s:s + _GATHER_ROWS], device=head.device)
         total.index_add_(0, torch.as_tensor(label[s:s + _GATHER_ROWS], device=head.device), rows * weights[:, None])
-    columns = [total.cpu().numpy()]
+    sums = np.empty((groups, lifted_dimension(head)), order="F")
+    sums[:, :head.d] = total.cpu().numpy()
+    del total
     if head.bias is not None:
-        columns.append(np.bincount(label, weights=alpha * head.biases(indices), minlength=groups)[:, None])
-    columns.append(np.bincount(label, weights=alpha, minlength=groups)[:, None])
-    return np.hstack(columns)
+        sums[:, head.d] = np.bincount(label, weights=alpha * head.biases(indices), minlength=groups)
+    sums[:, -1] = np.bincount(label, weights=alpha, minlength=groups)
+    return sums
 
 
-def _null_vectors(points: np.ndarray) -> np.ndarray:
+def _null_vectors(points: np.ndarray | list[np.ndarray]) -> np.ndarray:
     """(m - D) x m: a basis of the u with u @ points = 0, for m x D points of rank D (see eliminate). The
-    factorisation and the triangular solve run in torch (float64, on the CPU's audit threads)."""
+    factorisation and the triangular solve run in torch (float64, on the CPU's audit threads). ``points`` handed
+    over in a one-element list (a merge round's group means, column-major) are the call's: it takes them out,
+    scales and factors them where they lie, and lets them go as soon as the factors are spent."""
+    spent = isinstance(points, list)
+    if spent:
+        points = points.pop()
     m, dim = points.shape
-    columns = torch.from_numpy(points / np.maximum(np.abs(points).max(axis=0), np.finfo(np.float64).tiny))
-    factors, pivots, _ = torch.linalg.lu_factor_ex(columns)  # columns[permutation] = L U, L = [L1; L2] unit lower
-    del columns  # m x D arrays are let go as soon as they are spent: at D = 4097 each is a tenth of a head
+    # m x D arrays are let go as soon as they are spent, and none is made twice: at D = 4097 each is a tenth of a
+    # head. The scaled points column-major, factored where they lie.
+    columns = points if spent and points.flags.f_contiguous else np.empty((m, dim), order="F")
+    np.divide(points, np.maximum(np.maximum(points.max(axis=0), -points.min(axis=0)), np.finfo(np.float64).tiny),
+              out=columns)
+    del points
+    factors, pivots, _ = lu_in_place(torch.from_numpy(columns))  # columns[permutation] = L U, L = [L1; L2] unit lower
+    del columns
     permutation = np.arange(m)
     for i, p in enumerate(pivots.numpy() - 1):  # LAPACK's row swaps, in order
         permutation[i], permutation[p] = permutation[p], permutation[i]
@@ -434,12 +452,38 @@ def _null_vectors(points: np.ndarray) -> np.ndarray:
     del factors
     # the null vectors of L^T are the columns of [-L1^-T L2^T; I]; coordinate j of w is that of point permutation[j]
     null = np.zeros((m - dim, m))
-    null[:, permutation[:dim]] = -top.T.numpy()
+    null[:, permutation[:dim]] = top.neg_().T.numpy()
     null[np.arange(m - dim), permutation[dim:]] = 1.0
     return null
 
 
-def eliminate(points: np.ndarray, alpha: np.ndarray, null: np.ndarray | None = None) -> np.ndarray:
+def cholesky_in_place(matrix: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The lower Cholesky factor of a symmetric ``matrix`` written over it (torch's ``out=`` takes the input
+    itself: at D = 4097 a D x D float64 array is a fifteenth of a float32 head of 128256 rows), or where this
+    torch declines the aliasing, a new tensor. Returns (factor, info: 0 unless not positive definite)."""
+    info = torch.empty((), dtype=torch.int32)
+    try:
+        factor, info = torch.linalg.cholesky_ex(matrix, out=(matrix, info))
+    except RuntimeError:
+        factor, info = torch.linalg.cholesky_ex(matrix)
+    return factor, int(info)
+
+
+def lu_in_place(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """LAPACK's LU factors with partial pivoting of ``matrix`` written over it (a column-major one: no second
+    copy; torch's ``out=`` takes the input itself), or, where this torch declines the aliasing, into a new
+    tensor. Returns (factors, pivots counted from 1, info)."""
+    pivots = torch.empty(min(matrix.shape), dtype=torch.int32)
+    info = torch.empty((), dtype=torch.int32)
+    try:
+        factors, pivots, info = torch.linalg.lu_factor_ex(matrix, out=(matrix, pivots, info))
+    except RuntimeError:
+        factors, pivots, info = torch.linalg.lu_factor_ex(matrix)
+    return factors, pivots, int(info)
+
+
+def eliminate(points: np.ndarray | list[np.ndarray], alpha: np.ndarray, null: np.ndarray | None = None
+              ) -> np.ndarray:
     """Carathéodory by null-space steps: non-negative weights on at most D of the m points with
     ``weights @ points == alpha @ points`` (up to rounding). ``points`` is m x D, ``alpha`` >= 0.
 
@@ -449,10 +493,11 @@ def eliminate(points: np.ndarray, alpha: np.ndarray, null: np.ndarray | None = N
     step (m r^2 work in rank-one updates), each vector is corrected when its turn comes: with V the
     vectors used so far and t their dropped coordinates, V[i][t_l] = 0 for i > l, so the correction
     x solves the lower-triangular system T x = u[t] with T[l, i] = V[i][t_l]. The corrections by the
-    vectors of earlier panels are applied to a whole panel at once.
+    vectors of earlier panels are applied to a whole panel at once. ``points`` in a one-element list: the
+    call's to spend (_null_vectors).
     """
     alpha = alpha + 0.0  # a copy, with any -0.0 made +0.0 (the ratio test below divides by the weights)
-    m, dim = points.shape
+    m, dim = (points[0] if isinstance(points, list) else points).shape
     if m <= dim:
         return alpha
     # Null vectors from an LU factorisation with partial pivoting, points = L[order] U: sum_i u_i points_i

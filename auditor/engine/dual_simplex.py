@@ -34,7 +34,7 @@ import numpy as np
 import scipy.linalg
 import torch
 
-from auditor.engine.caratheodory import lifted_points
+from auditor.engine.caratheodory import lifted_points, lu_in_place
 from auditor.engine.head import EngineHead
 
 _SPAN = 1e-9  # singular values below this fraction of the largest: directions the pool does not span
@@ -48,16 +48,18 @@ class Basis:
     first (not in the order given), ``start`` their positions 0..r-1."""
 
     def __init__(self, head: EngineHead, pool: np.ndarray, start: np.ndarray, points: np.ndarray | None = None):
-        """``points``: the pool's lifted points when the caller has them (caratheodory.Pool.points)."""
+        """``points``: the pool's lifted points when the caller has them (caratheodory.Pool.points), spent:
+        scaled and reordered in place to become the basis' own (at D = 4097 a pool of 2D rows is an eighth of a
+        float32 head of 128256 rows, so no copy of it is made)."""
         self.head = head
         self.pool = np.asarray(pool, dtype=np.int64)
         self.start = self.inverse = None
         if self.pool.size == 0:
             return
-        lifted = lifted_points(head, self.pool) if points is None else points
-        self.scale = np.abs(lifted).max(axis=0)
+        scaled = lifted_points(head, self.pool) if points is None else points
+        self.scale = np.maximum(scaled.max(axis=0), -scaled.min(axis=0))
         self.scale[self.scale == 0] = 1.0  # a coordinate zero on every pool row
-        scaled = lifted / self.scale
+        scaled /= self.scale
         position = np.flatnonzero(np.isin(self.pool, start))
         square = position
         if 0 < position.size < scaled.shape[1]:
@@ -68,7 +70,7 @@ class Basis:
         if inverse is not None:
             # D start rows that span R^D: so does the pool, and the working coordinates are the scaled ones
             self.span, self.points, self.start = None, scaled, square
-            self.inverse = np.ascontiguousarray(inverse.T)  # of the start's points as columns
+            self.inverse = inverse  # of the start's points as columns
         else:
             _, sigma, vt = np.linalg.svd(scaled, full_matrices=False)
             self.span = vt[:int((sigma > _SPAN * sigma[0]).sum())].T  # D x r
@@ -77,7 +79,8 @@ class Basis:
             self.inverse = np.linalg.inv(self.points[self.start].T) if self.start is not None else None
         if self.start is not None:  # the start's rows first: the others are then one contiguous block (``rest``)
             order = np.concatenate([self.start, np.setdiff1d(np.arange(self.pool.size), self.start)])
-            self.pool, self.points = self.pool[order], self.points[order]
+            self.pool = self.pool[order]
+            _reorder_rows(self.points, order)
             self.start = np.arange(self.start.size)
             self.rest = self.points[self.start.size:]
 
@@ -193,6 +196,24 @@ class Basis:
         return self.pool[basis[keep]], weights[keep] / weights[keep].sum()
 
 
+def _reorder_rows(array: np.ndarray, order: np.ndarray) -> None:
+    """``array[:] = array[order]`` in place, one row at a time along the permutation's cycles: no copy of the
+    array (m x D float64), one row's buffer per cycle."""
+    done = np.zeros(order.size, dtype=bool)
+    for first in range(order.size):
+        if done[first]:
+            continue
+        done[first] = True
+        if order[first] == first:
+            continue
+        held, j = array[first].copy(), first
+        while order[j] != first:
+            array[j] = array[order[j]]
+            j = int(order[j])
+            done[j] = True
+        array[j] = held
+
+
 # reciprocal condition number (1-norm estimate) from which a square start is used as it is: float64 still
 # solves with it to a few digits, which the refinement step sharpens and check_convex judges (a wide head's
 # start of D = 4097 rows estimates 1e-8 and spans R^D). A pool whose rows span fewer dimensions (a normalised
@@ -201,16 +222,21 @@ _CONDITION = 2.0**-40
 
 
 def _inverse_if_well_conditioned(square: np.ndarray) -> np.ndarray | None:
-    """The inverse of a square matrix far from singular, else None: LAPACK's estimate of its reciprocal
-    1-norm condition number from an LU factorisation, and the inverse from the same factors (O(D^3) once,
-    against an SVD of the whole pool and two pivoted QRs)."""
-    factors, pivots, info = torch.linalg.lu_factor_ex(torch.from_numpy(square))  # torch: the audit's threads
-    if int(info) != 0:
+    """The inverse of the transpose of a square matrix (rows: the start's points) far from singular, else None:
+    LAPACK's estimate of its reciprocal condition number (in the 1-norm of ``square``, the infinity-norm of its
+    transpose) from an LU factorisation, and the inverse from the same factors (O(D^3) once, against an SVD of
+    the whole pool and two pivoted QRs). ``square`` (C-ordered, a copy) is spent: its memory is the transpose's
+    column-major, and the factors, then the inverse, are written over it (no further D x D array)."""
+    norm = float(np.abs(square).sum(axis=0).max())
+    factors, pivots, info = lu_in_place(torch.from_numpy(square.T))  # torch: the audit's threads
+    if info != 0:
         return None
-    rcond, info = scipy.linalg.lapack.dgecon(factors.numpy(), float(np.abs(square).sum(axis=0).max()), norm="1")
+    rcond, info = scipy.linalg.lapack.dgecon(factors.numpy(), norm, norm="I")
     if info != 0 or rcond < _CONDITION:
         return None
-    return torch.linalg.lu_solve(factors, pivots, torch.eye(len(square), dtype=torch.float64)).numpy()
+    work, _ = scipy.linalg.lapack.dgetri_lwork(len(square))  # the blocked inversion's workspace
+    inverse, info = scipy.linalg.lapack.dgetri(factors.numpy(), pivots.numpy() - 1, lwork=int(work), overwrite_lu=1)
+    return inverse if info == 0 else None
 
 
 def _completed(points: np.ndarray, chosen: np.ndarray) -> np.ndarray:

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from auditor.engine.head import EngineHead
-from auditor.engine.low_precision import recheck_needs, record_self_witnesses
+from auditor.engine.low_precision import record_self_witnesses, witness_outcomes
 from auditor.engine.rounding import UNIT_ROUNDOFF, float32_towards_zero, gamma, safe_norm
 
 LIMIT = int(torch.iinfo(torch.int8).max)  # 127: |q| <= 127, so that -q is an int8 too
@@ -323,16 +323,9 @@ def int8_witnesses(head: EngineHead, ids: np.ndarray, witnesses: torch.Tensor, r
         top[part], rival[part], slack[part] = _upper_bounds(rows, exponent[part], error, norm_z[part], gram[:size])
     own_error = gamma(d + 2) * norm_z * rows.size[k]
     lower = own - own_error - top - 4 * UNIT_ROUNDOFF * (own.abs() + own_error + top.abs())
-    needed = recheck_needs(head, k, norm_z)
-    won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top) & (exponent.abs() < 900)
-    if head.domain.bounded:
-        won &= head.domain.contains_rows(witnesses, safe_norm)
     # the split of the rest (ids the float64 check takes): the gap to the integer part of the bound, and
     # the bound's slack above it with the own term's rounding
     lead = own - (top - slack)
     allowance = slack + own_error + 4 * UNIT_ROUNDOFF * (own.abs() + own_error + top.abs())
-    won_np = won.cpu().numpy()
-    log.debug("int8 witnesses on %s: %d of %d proved, the float64 check takes the close calls",
-              device, int(won_np.sum()), len(ids))
-    return (won_np, np.where(won_np, lower.cpu().numpy(), -np.inf), rival.cpu().numpy(),
-            lead.cpu().numpy(), allowance.cpu().numpy())
+    return witness_outcomes(head, k, witnesses, norm_z, lower, top, exponent.abs() < 900, rival, lead, allowance,
+                            "int8")

@@ -242,6 +242,24 @@ def record_self_witnesses(head: EngineHead, k: torch.Tensor, lower: torch.Tensor
         progress.update(int(won_np.sum()))
 
 
+def witness_outcomes(head: EngineHead, k: torch.Tensor, witnesses: torch.Tensor, norm_z: torch.Tensor,
+                     lower: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, rival: torch.Tensor,
+                     lead: torch.Tensor, allowance: torch.Tensor, name: str):
+    """A low-precision check of given witnesses z (tokens k, ``norm_z`` >= ||z||) as (certified, margin,
+    runner_up, lead, allowance) numpy arrays: certified where the lower bound ``lower`` of the margin at z
+    exceeds what the float64 re-check needs, ``top`` is finite, ``valid`` holds and z lies in the domain;
+    ``margin`` is ``lower`` there. ``lead`` and ``allowance`` split the rest for the float64 check."""
+    needed = recheck_needs(head, k, norm_z)
+    won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top) & valid
+    if head.domain.bounded:
+        won &= head.domain.contains_rows(witnesses, safe_norm)
+    won_np = won.cpu().numpy()
+    log.debug("%s witnesses on %s: %d of %d proved, the float64 check takes the close calls",
+              name, head.device, int(won_np.sum()), len(won_np))
+    return (won_np, np.where(won_np, lower.cpu().numpy(), -np.inf), rival.cpu().numpy(),
+            lead.cpu().numpy(), allowance.cpu().numpy())
+
+
 def bfloat16_pass(head: EngineHead, ids: np.ndarray, progress=None, rows: CentredRows | None = None):
     """(certified, margin, scale, runner_up) for tokens ``ids`` at the witnesses z = s (w_k - c), s = 1 when
     unbounded and otherwise the largest scale inside the domain: ``margin`` a lower bound on the exact
@@ -336,12 +354,5 @@ def bfloat16_witnesses(head: EngineHead, ids: np.ndarray, witnesses: torch.Tenso
                  + gamma(d + 2) * norm_z * rows.size[k])
     # and the rounding of this float64 arithmetic itself
     lower = lead - allowance - 8 * UNIT_ROUNDOFF * (own.abs() + top.abs() + allowance)
-    needed = recheck_needs(head, k, norm_z)
-    won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top)
-    if head.domain.bounded:
-        won &= head.domain.contains_rows(witnesses, safe_norm)
-    won_np = won.cpu().numpy()
-    log.debug("bfloat16 witnesses on %s: %d of %d proved, the float64 check takes the close calls",
-              device, int(won_np.sum()), len(ids))
-    return (won_np, np.where(won_np, lower.cpu().numpy(), -np.inf), rival.cpu().numpy(),
-            lead.cpu().numpy(), allowance.cpu().numpy())
+    return witness_outcomes(head, k, witnesses, norm_z, lower, top, torch.ones_like(top, dtype=torch.bool), rival,
+                            lead, allowance, "bfloat16")

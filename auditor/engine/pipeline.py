@@ -52,6 +52,7 @@ from auditor.engine.decisions import (ARGMAXABLE, INCONCLUSIVE, STAGES, UNDECIDE
                                       set_witness, spread_to_groups, undecided)
 from auditor.engine.frank_wolfe import frank_wolfe
 from auditor.engine.head import EngineHead, build_engine_head, storage_dtype
+from auditor.engine.heap import release_free_pages
 from auditor.engine.interior import interior_certificates
 from auditor.engine.lp import lp_decide_all
 from auditor.engine.normal_form import normal_form, times_power_of_two, to_given_units
@@ -154,6 +155,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     left, threat = _screen(replace(head, bfloat16_entries=_NEVER, whitened_entries=_NEVER, int8_entries=_NEVER) if few else head,
                            out, todo, progress)
     timings["screen"] = time.perf_counter() - clock
+    release_free_pages()  # the screen's blocks (here and after each stage that frees large arrays)
 
     clock = time.perf_counter()
     routes = None
@@ -181,9 +183,10 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
                 set_convex(out, k, *found, "interior")
             keep = out.verdict[left] == UNDECIDED
             left, threat = left[keep], threat[keep]
-    left, threat = _interior(head, out, left, threat)
     if routes is not None:
         routes.let_go()  # the later stages' memory; sparsify builds a basis again if it needs one
+        release_free_pages()
+    left, threat = _interior(head, out, left, threat)
     timings["interior"] = time.perf_counter() - clock
 
     # The origin's route (part of the Newton stage) before Frank-Wolfe: the rows it settles lie just
@@ -198,6 +201,7 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     lp_first = time.perf_counter() - clock
     clock = time.perf_counter()
     if len(left) and options.newton_iterations > 0:
+        release_free_pages()
         left, threat = _anchored(head, out, left, threat, options)
     anchored = time.perf_counter() - clock
     clock = time.perf_counter()
