@@ -225,3 +225,33 @@ def test_the_lu_factors_written_over_a_column_major_matrix_are_torchs(rng):
     factors, found, info = lu_in_place(columns)
     assert info == 0 and torch.equal(factors, want) and torch.equal(found, pivots)
     assert factors.data_ptr() == columns.data_ptr()  # written over the matrix itself
+
+
+def test_the_cholesky_factor_written_over_a_symmetric_matrix_is_its_factor(rng):
+    from auditor.engine.caratheodory import cholesky_in_place
+    g = rng.standard_normal((40, 25))
+    matrix = torch.from_numpy(g.T @ g + np.eye(25))
+    matrix = (matrix + matrix.T) / 2  # exactly symmetric
+    want = torch.linalg.cholesky(matrix)
+    held = matrix.clone()
+    factor, info = cholesky_in_place(held)
+    assert info == 0 and factor.data_ptr() == held.data_ptr()  # written over the matrix itself
+    assert torch.allclose(factor, want, rtol=0, atol=1e-12) and torch.equal(factor, torch.tril(factor))
+    _, info = cholesky_in_place(torch.from_numpy(-np.eye(3)))
+    assert info != 0  # not positive definite
+
+
+def test_triangular_solves_by_blocks_read_a_strided_triangle_and_match_torchs(rng):
+    from auditor.engine.caratheodory import _solve_by_blocks
+    big = torch.from_numpy(rng.standard_normal((300, 200)))
+    for upper, unit in ((False, False), (True, True)):
+        t = big[:150, :150]  # rows contiguous, a leading dimension of 200: a block of a larger matrix
+        rhs = torch.from_numpy(rng.standard_normal((150, 7)))
+        dominant = t + torch.diag(torch.full((150,), 30.0, dtype=torch.float64))  # well conditioned
+        view = big.clone()
+        view[:150, :150] = dominant
+        triangle = view[:150, :150]
+        want = torch.linalg.solve_triangular(triangle, rhs, upper=upper, unitriangular=unit)
+        x = rhs.clone()
+        _solve_by_blocks(triangle, x, upper=upper, unit=unit)
+        assert torch.allclose(x, want, rtol=1e-10, atol=1e-12)

@@ -62,7 +62,7 @@ class _Origin:
             return  # the origin is outside the hull, or on its boundary
         support, weights = found
         indices, weights, pool = reduce_support(head, support, weights)
-        self.basis = Basis(head, pool.indices, indices, pool.points)
+        self.basis = Basis(head, pool.indices, indices, pool.lifted(head))
 
 
 def _pooled(head: EngineHead, point: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:

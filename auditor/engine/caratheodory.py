@@ -51,12 +51,15 @@ def reduce_support(head: EngineHead, indices: np.ndarray, weights: np.ndarray
         merge = _Merge(head, indices, alpha)
         means, merge.means = [merge.means], None  # handed over: the elimination spends them
         indices, alpha = merge.keep(eliminate(means, merge.mass))
-    points = lifted_points(head, indices)
-    pool = Pool(indices, points)
     if indices.size > dim:
-        alpha = eliminate(points, alpha)
+        # the points handed over, column-major, and factored where they lie: the pool gathers them again when a
+        # holder needs them (Pool.lifted), so that the elimination's arrays never sit beside a copy of them
+        pool = Pool(indices, None)
+        alpha = eliminate([lifted_points(head, indices, column_major=True)], alpha)
         survive = alpha > 0
         indices, alpha = indices[survive], alpha[survive]
+    else:
+        pool = Pool(indices, lifted_points(head, indices))
     return indices, alpha / alpha.sum(), pool
 
 
@@ -447,8 +450,9 @@ def _null_vectors(points: np.ndarray | list[np.ndarray]) -> np.ndarray:
     for i, p in enumerate(pivots.numpy() - 1):  # LAPACK's row swaps, in order
         permutation[i], permutation[p] = permutation[p], permutation[i]
     # L1^T is the strict upper triangle of factors[:dim]^T with a unit diagonal (U fills the rest, unread);
-    # L2 = factors[dim:] whole
-    top = torch.linalg.solve_triangular(factors[:dim].T, factors[dim:].T, upper=True, unitriangular=True)
+    # L2 = factors[dim:] whole. L1^-T L2^T by blocks, L1^T read where it lies (no D x D copy of it).
+    top = factors[dim:].T.contiguous()
+    _solve_by_blocks(factors[:dim].T, top, upper=True, unit=True)
     del factors
     # the null vectors of L^T are the columns of [-L1^-T L2^T; I]; coordinate j of w is that of point permutation[j]
     null = np.zeros((m - dim, m))
@@ -458,12 +462,15 @@ def _null_vectors(points: np.ndarray | list[np.ndarray]) -> np.ndarray:
 
 
 def cholesky_in_place(matrix: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The lower Cholesky factor of a symmetric ``matrix`` written over it (torch's ``out=`` takes the input
-    itself: at D = 4097 a D x D float64 array is a fifteenth of a float32 head of 128256 rows), or where this
-    torch declines the aliasing, a new tensor. Returns (factor, info: 0 unless not positive definite)."""
+    """The lower Cholesky factor of a symmetric row-major ``matrix`` written over it (at D = 4097 a D x D float64
+    array is a fifteenth of a float32 head of 128256 rows): LAPACK factors the column-major view of its
+    transpose, the same matrix, where it lies (torch's ``out=`` takes the input itself; a row-major ``out``
+    would go through a column-major copy). Where this torch declines the aliasing, a new tensor. Returns
+    (factor, info: 0 unless not positive definite)."""
     info = torch.empty((), dtype=torch.int32)
+    columns = matrix.mT
     try:
-        factor, info = torch.linalg.cholesky_ex(matrix, out=(matrix, info))
+        factor, info = torch.linalg.cholesky_ex(columns, out=(columns, info))
     except RuntimeError:
         factor, info = torch.linalg.cholesky_ex(matrix)
     return factor, int(info)
@@ -520,8 +527,7 @@ def eliminate(points: np.ndarray | list[np.ndarray], alpha: np.ndarray, null: np
         panel = null[start:start + _PANEL].copy()
         first = j
         if first:  # in torch: the audit's threads (numpy's BLAS has one)
-            x = torch.linalg.solve_triangular(torch.from_numpy(triangle[:first, :first]),
-                                              torch.from_numpy(panel[:, dropped[:first]].T), upper=False)
+            x = _lower_solve(triangle, first, panel[:, dropped[:first]].T)
             panel -= (x.T @ torch.from_numpy(used[:first])).numpy()
         for u in panel:
             if j > first:  # and by those used within this panel (LAPACK's solver called directly: a step is small)
@@ -544,6 +550,28 @@ def eliminate(points: np.ndarray | list[np.ndarray], alpha: np.ndarray, null: np
             j += 1
     alpha[dropped[:j]] = 0.0
     return alpha
+
+
+def _lower_solve(triangle: np.ndarray, size: int, rhs: np.ndarray) -> torch.Tensor:
+    """T^-1 rhs for the lower triangle T = triangle[:size, :size] (``rhs``: size x k)."""
+    x = torch.from_numpy(np.ascontiguousarray(rhs))
+    _solve_by_blocks(torch.from_numpy(triangle)[:size, :size], x, upper=False, unit=False)
+    return x
+
+
+def _solve_by_blocks(t: torch.Tensor, x: torch.Tensor, upper: bool, unit: bool) -> None:
+    """x = T^-1 x in place, for a square triangular T whose rows are contiguous (a block of a larger matrix), by
+    blocks of _PANEL rows: each block row of T is read where it lies (a product with a strided view), where a
+    triangular solve would first copy the whole of T (at D = 4097, 134 MiB, once a panel of an elimination)."""
+    size = t.shape[0]
+    starts = range(0, size, _PANEL)
+    for s in (reversed(starts) if upper else starts):
+        e = min(s + _PANEL, size)
+        if upper and e < size:
+            x[s:e] -= t[s:e, e:] @ x[e:]
+        elif not upper and s:
+            x[s:e] -= t[s:e, :s] @ x[:s]
+        x[s:e] = torch.linalg.solve_triangular(t[s:e, s:e], x[s:e], upper=upper, unitriangular=unit)
 
 
 def _first_to_reach_zero(alpha: np.ndarray, u: np.ndarray, reach: np.ndarray) -> int:
