@@ -38,12 +38,19 @@ def assert_certificate(head, W, k, found, bias=None, rows_spanned=None):
     assert check_convex(head, k, support, weights).accepted
 
 
-def test_mean_initialised_rows_take_a_few_pivots_from_the_basis_of_the_centre(rng):
-    d = 24
+def centre_of_a_resized_head(rng, d=24):
+    """3000 anisotropic rows of width d and 4 mean-initialised ones after them: (W, head, the centre pool, the
+    basis' start on it)."""
     old = (rng.standard_normal((3000, d)) * np.arange(1, d + 1) ** -0.7 + 0.3).astype(np.float32)
     W = np.vstack([old, mean_initialised(old, 4, rng)])
     head = engine_head(W)
     pool, support = centre_pool(head, spread_pool(head))
+    return W, head, pool, support
+
+
+def test_mean_initialised_rows_take_a_few_pivots_from_the_basis_of_the_centre(rng):
+    d = 24
+    W, head, pool, support = centre_of_a_resized_head(rng, d)
     basis = Basis(head, pool.indices, support)
     assert basis.span is None and basis.points.shape[1] == d + 1  # the start spans R^(d+1): no SVD taken
     W64 = W.astype(np.float64)
@@ -195,10 +202,7 @@ def test_a_basis_given_its_points_spends_them_and_answers_as_one_that_gathers_th
     # the pool's points, when the caller hands them over, are scaled and reordered where they lie: the basis is
     # the same as one gathering its own copy, down to the bit
     d = 24
-    old = (rng.standard_normal((3000, d)) * np.arange(1, d + 1) ** -0.7 + 0.3).astype(np.float32)
-    W = np.vstack([old, mean_initialised(old, 4, rng)])
-    head = engine_head(W)
-    pool, support = centre_pool(head, spread_pool(head))
+    _, head, pool, support = centre_of_a_resized_head(rng, d)
     given = lifted_points(head, pool.indices)
     spent = Basis(head, pool.indices, support, given)
     gathered = Basis(head, pool.indices, support)

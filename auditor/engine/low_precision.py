@@ -219,6 +219,17 @@ def bias_allowance(phi: float, s_k: torch.Tensor, sigma: torch.Tensor, spread: f
     return s_k * phi * sigma * spread + ((s_k * sigma - 1).abs() + 2.0**-50) * spread + 2.0**-50 * (own.abs() + spread)
 
 
+def _proved(head: EngineHead, k: torch.Tensor, z: torch.Tensor, norm_z: torch.Tensor, lower: torch.Tensor,
+            top: torch.Tensor, valid: torch.Tensor) -> np.ndarray:
+    """Which witnesses z (tokens k, ``norm_z`` >= ||z||) a low-precision bound proves: the lower bound ``lower``
+    of the margin exceeds what the float64 re-check needs, ``top`` is finite, ``valid`` holds and z lies in the
+    domain."""
+    won = (lower * (1 - 2.0**-52) > recheck_needs(head, k, norm_z)) & torch.isfinite(top) & valid
+    if head.domain.bounded:
+        won &= head.domain.contains_rows(z, safe_norm)
+    return won.cpu().numpy()
+
+
 def record_self_witnesses(head: EngineHead, k: torch.Tensor, lower: torch.Tensor, top: torch.Tensor,
                           valid: torch.Tensor, directions: torch.Tensor, s_k: torch.Tensor, size_k: torch.Tensor,
                           rival: torch.Tensor, part: slice, out: tuple, progress=None) -> None:
@@ -228,11 +239,7 @@ def record_self_witnesses(head: EngineHead, k: torch.Tensor, lower: torch.Tensor
     of ||z|| when unbounded (``size_k`` >= ||w_k - c||)."""
     certified, margin, scale, runner_up = out
     norm_z = s_k * safe_norm(directions, dim=1) * (1 + 2.0**-20)  # >= ||z||, z = s y_k
-    needed = recheck_needs(head, k, norm_z)
-    won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top) & valid
-    if head.domain.bounded:
-        won &= head.domain.contains_rows(directions * s_k[:, None], safe_norm)
-    won_np = won.cpu().numpy()
+    won_np = _proved(head, k, directions * s_k[:, None], norm_z, lower, top, valid)
     certified[part] = won_np
     reported = lower if head.domain.bounded else lower / size_k
     margin[part] = np.where(won_np, reported.cpu().numpy(), -np.inf)
@@ -249,11 +256,7 @@ def witness_outcomes(head: EngineHead, k: torch.Tensor, witnesses: torch.Tensor,
     runner_up, lead, allowance) numpy arrays: certified where the lower bound ``lower`` of the margin at z
     exceeds what the float64 re-check needs, ``top`` is finite, ``valid`` holds and z lies in the domain;
     ``margin`` is ``lower`` there. ``lead`` and ``allowance`` split the rest for the float64 check."""
-    needed = recheck_needs(head, k, norm_z)
-    won = (lower * (1 - 2.0**-52) > needed) & torch.isfinite(top) & valid
-    if head.domain.bounded:
-        won &= head.domain.contains_rows(witnesses, safe_norm)
-    won_np = won.cpu().numpy()
+    won_np = _proved(head, k, witnesses, norm_z, lower, top, valid)
     log.debug("%s witnesses on %s: %d of %d proved, the float64 check takes the close calls",
               name, head.device, int(won_np.sum()), len(won_np))
     return (won_np, np.where(won_np, lower.cpu().numpy(), -np.inf), rival.cpu().numpy(),
