@@ -156,3 +156,41 @@ def test_the_centre_s_weights_move_to_a_row_near_it_in_one_linear_solve():
     assert linear_weights(lifted, shared, far) is None
     assert maximum_entropy_weights(pool, far) is not None
     assert linear_weights(lifted, shared, pool.max(axis=0) + 1.0) is None  # outside the hull
+
+
+def test_the_centre_s_weights_start_the_solve_for_rows_beyond_their_first_order_reach(monkeypatch):
+    """From the centre's maximum-entropy weights on a pool (the prior) and their covariance's factor (the start),
+    the solve for a row near the centre takes chord steps with that factor: the same weights as the solve from
+    uniform weights (they are unique, and the prior lies in their exponential family), reproducing the row,
+    with fewer Hessians formed, where the first-order weights of linear_weights turn negative."""
+    import torch
+
+    from auditor.engine.caratheodory import linear_weights, pool_centre
+
+    rng = np.random.default_rng(11)
+    d = 256
+    rows = rng.standard_normal((40 * d, d)) * np.linspace(0.2, 2.0, d)
+    centre = rows.mean(axis=0)
+    pool = rows[np.sort(rng.choice(len(rows), size=3 * (d + 1), replace=False))]
+    lifted = np.hstack([pool, np.ones((len(pool), 1))])
+    shared = pool_centre(pool, centre)
+    assert shared is not None
+    covariance = (pool - centre).T @ ((pool - centre) * shared.weights[:, None])
+    factorise, hessians = torch.linalg.cholesky_ex, []
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda *a, **k: hessians.append(1) or factorise(*a, **k))
+    for distance in (0.6, 1.0):
+        u = rng.standard_normal(d)
+        target = centre + distance * np.linalg.cholesky(covariance) @ (u / np.linalg.norm(u))  # H-metric distance
+        assert linear_weights(lifted, shared, target) is None
+        hessians.clear()
+        started = maximum_entropy_weights(pool, target, start=shared.factor, prior=np.log(shared.weights), chord=0.7)
+        from_centre = len(hessians)
+        hessians.clear()
+        fresh = maximum_entropy_weights(pool, target)
+        assert started is not None and fresh is not None
+        assert from_centre < len(hessians)
+        assert np.abs(started - fresh).max() <= 1e-9 * fresh.max()
+        assert np.all(started > 0) and abs(started.sum() - 1) <= 1e-12
+        assert np.abs(started @ pool - target).max() <= 1e-12 * np.abs(pool - target).max()
+    outside = pool.max(axis=0) + 1.0
+    assert maximum_entropy_weights(pool, outside, start=shared.factor, prior=np.log(shared.weights), chord=0.7) is None

@@ -193,7 +193,8 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
 
 
 def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: int = 60,
-                            start: torch.Tensor | None = None, overwrite: bool = False) -> np.ndarray | None:
+                            start: torch.Tensor | None = None, overwrite: bool = False,
+                            prior: np.ndarray | None = None, chord: float = 0.25) -> np.ndarray | None:
     """Weights pi_i proportional to exp(theta . x_i), all positive, with sum pi_i x_i = target, by Newton's
     method on F(theta) = log sum exp(theta . (x_i - target)) from theta = 0 (see tilt.py, which does the
     same over a whole head). None when it does not converge: the target is not inside the hull.
@@ -215,14 +216,23 @@ def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: 
     (O(m D) each) and a fresh Hessian is formed only where they stall.
 
     ``overwrite``: ``points`` is the caller's to spend (a copy made for this call), and the offsets are formed
-    in it: one m x D array fewer."""
+    in it: one m x D array fewer.
+
+    ``prior``: the logarithms of positive weights on the points to start from, theta = 0 giving them instead of
+    uniform ones (pi_i proportional to prior_i exp(theta . x_i)). Where the prior weights are themselves
+    maximum-entropy weights of the points (the centre's, caratheodory.pool_centre), the family and the answer
+    are the same and only the path changes: from the centre's weights, whose Hessian is its PoolCentre's factor
+    (``start``), a target near the centre is a few chord steps away. ``chord``: a fresh Hessian is formed
+    where a step leaves the gradient above this fraction of the one before (a chord step costs about 1 / D of
+    a Hessian, so a start close to the answer's Hessian keeps stepping with it); a ``start`` also allows
+    _CHORD_STEPS more steps."""
     # one m x D array, scaled in place: fresh arrays cost page faults
     offsets = np.subtract(points, target, out=points if overwrite else None)
     scale = max(float(offsets.max()), -float(offsets.min())) or 1.0
     offsets /= scale
     first = start / scale if start is not None else None
-    found = _entropy_newton(offsets, torch.float32, min(iterations, _FLOAT32_HESSIANS), first)
-    return found if found is not None else _entropy_newton(offsets, torch.float64, iterations, first)
+    found = _entropy_newton(offsets, torch.float32, min(iterations, _FLOAT32_HESSIANS), first, prior, chord)
+    return found if found is not None else _entropy_newton(offsets, torch.float64, iterations, first, prior, chord)
 
 
 def _with_ridge(matrix: torch.Tensor) -> torch.Tensor:
@@ -234,6 +244,8 @@ def _with_ridge(matrix: torch.Tensor) -> torch.Tensor:
 
 
 _FLOAT32_HESSIANS = 8  # the float32 attempt's Hessians: a pool around the centre of a real head takes 3
+_ROUNDING_GRADIENT = 1e-13  # a gradient this small (offsets scaled to at most 1) is at the rounding of its sum
+_CHORD_STEPS = 150  # the steps a shared start adds (O(m D) each: at D = 4097 all of them cost a tenth of a Hessian)
 
 
 def _hessian(offsets: np.ndarray, pi: np.ndarray, mean: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -251,27 +263,34 @@ _HESSIAN_ROWS = 2048
 
 
 def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
-                    start: torch.Tensor | None = None) -> np.ndarray | None:
+                    start: torch.Tensor | None = None, prior: np.ndarray | None = None,
+                    chord: float = 0.25) -> np.ndarray | None:
     """maximum_entropy_weights' Newton's method from theta = 0, its Hessians formed in ``dtype`` (float32 or
-    float64) products; ``start``, a Cholesky factor of the Hessian at theta = 0, for the first (chord) steps."""
+    float64) products; ``start``, a Cholesky factor of the Hessian at theta = 0, for the first (chord) steps;
+    ``prior`` and ``chord`` as there."""
     narrow = dtype == torch.float32
     theta = np.zeros(offsets.shape[1])
 
     def weights(t):
         logits = offsets @ t
+        if prior is not None:
+            logits += prior
         top = logits.max()
         pi = np.exp(logits - top)
         total = pi.sum()
-        return pi / total, top + np.log(total)
+        # F's rounding: that of the largest logit it is formed from
+        return pi / total, top + np.log(total), float(np.abs(logits).max())
 
-    pi, current = weights(theta)
-    factor, hessians, previous = start, 0, np.inf
-    for _ in range(4 * iterations):
+    pi, current, magnitude = weights(theta)
+    factor, hessians, previous, fresh = start, 0, np.inf, False
+    for _ in range(4 * iterations + (_CHORD_STEPS if start is not None else 0)):
         gradient = pi @ offsets
         size = float(np.abs(gradient).max())
         if size <= 1e-15:
             return pi
-        if factor is None or size > previous / 4:  # a Newton step: a fresh Hessian
+        if factor is None or size > previous * chord:  # a Newton step: a fresh Hessian
+            if not fresh and factor is not None and size <= _ROUNDING_GRADIENT:
+                return pi  # a chord step stalled where the gradient is rounding: a Hessian would not move it
             if hessians == iterations:
                 break
             # The old factor is let go before the new Hessian is formed, and the factor is written over the
@@ -280,10 +299,13 @@ def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
             factor = None
             factor, info = cholesky_in_place(_with_ridge(_hessian(offsets, pi, gradient, dtype)))
             hessians += 1
+            fresh = True
             if info != 0:
                 if narrow:  # the float32 rounding may leave a singular Hessian indefinite
                     return None
                 factor = None
+        else:
+            fresh = False
         previous = size
         step = (torch.cholesky_solve(torch.from_numpy(gradient)[:, None], factor)[:, 0].numpy()
                 if factor is not None else None)
@@ -299,19 +321,19 @@ def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
             return None
         eta = 1.0
         while eta > 1e-8:
-            trial_pi, trial = weights(theta - eta * step)
+            trial_pi, trial, trial_magnitude = weights(theta - eta * step)
             if trial <= current - 1e-4 * eta * slope:
                 break
             # near the solution F's decrease falls below its own rounding: there a full step that shrinks
             # the gradient is taken (the gradient is what the weights must bring to 0)
-            if (eta == 1.0 and trial <= current + 8 * _EPS * abs(current)
+            if (eta == 1.0 and trial <= current + 8 * _EPS * (abs(current) + magnitude)
                     and np.abs(trial_pi @ offsets).max() < size):
                 break
             eta *= 0.5
         else:
             return None
         theta = theta - eta * step
-        pi, current = trial_pi, trial
+        pi, current, magnitude = trial_pi, trial, trial_magnitude
     return _converged(pi, offsets)
 
 
@@ -375,21 +397,32 @@ def linear_weights(points: np.ndarray, centre: PoolCentre, target: np.ndarray) -
 
 
 def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
-                     start: torch.Tensor | None = None, null: np.ndarray | None = None
-                     ) -> tuple[np.ndarray, np.ndarray] | None:
+                     start: torch.Tensor | None = None, null: np.ndarray | None = None,
+                     centre: PoolCentre | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """Weights on at most D of the pool's rows (``points`` their lifted points) reproducing token k's row: the
     maximum-entropy weights on the pool (all positive where the row lies inside the pool's hull) and one
     elimination. No dense certificate first: for a row near the pool's centre (a mean-initialised row rounded
     to bfloat16) this is the work of one elimination on 2D rows. None when the pool does not surround the row.
-    ``null``: the null vectors of all of ``points`` (_null_vectors), for a token whose row is not in the pool."""
+    ``null``: the null vectors of all of ``points`` (_null_vectors), for a token whose row is not in the pool.
+    ``start``: pool_start's factor, the solve starting from uniform weights; or ``centre``: the solve starting
+    from the centre's weights and factor, the Hessian kept while its chord steps still halve the gradient (a
+    row near the centre, where the first-order weights of linear_weights turn negative, takes chord steps
+    alone and no Hessian)."""
     others = pool.indices != k
     target = lifted_points(head, np.array([k]))[0, :-1]
-    spread = maximum_entropy_weights(points[others, :-1], target, start=start, overwrite=True)  # a copy, spent
+    if centre is not None:
+        spread = maximum_entropy_weights(points[others, :-1], target, start=centre.factor, overwrite=True,
+                                         prior=np.log(centre.weights[others]), chord=_CENTRE_CHORD)
+    else:
+        spread = maximum_entropy_weights(points[others, :-1], target, start=start, overwrite=True)  # a copy, spent
     if spread is None:
         return None
     alpha = eliminate(points[others], spread, null if others.all() else None)
     survive = alpha > 0
     return pool.indices[others][survive], alpha[survive] / alpha[survive].sum()
+
+
+_CENTRE_CHORD = 0.7  # pool_certificate from the centre's weights: a fresh Hessian once a chord step cuts the gradient by less than 30 %
 
 
 def _converged(pi: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:

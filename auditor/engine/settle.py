@@ -184,8 +184,9 @@ class CentreRoutes:
         pool, for rows the centre's basis reaches only after many pivots (mean-initialised rows rounded to
         bfloat16 sit tens of times further out than the float32 ones): the centre's weights on the pool moved
         to the row by one linear solve (caratheodory.linear_weights), or where one of those weights is not
-        positive the row's maximum-entropy weights (caratheodory.pool_certificate, whose first steps share one
-        factor of the pool's covariance), and one elimination. The pool's points, the centre's weights and
+        positive the row's maximum-entropy weights (caratheodory.pool_certificate: from the centre's weights,
+        stepping with the centre's factor; failing that from uniform weights, whose first steps share one factor
+        of the pool's covariance), and one elimination. The pool's points, the centre's weights and
         factor are made once for all of ``ks`` and let go after."""
         found: dict[int, tuple[np.ndarray, np.ndarray, float, float]] = {}
         if self.centre is None or not ks or self.head.bias is not None:  # (rows without a bias: their point is w_k)
@@ -204,6 +205,10 @@ class CentreRoutes:
                     alpha = eliminate(points, nu, null)
                     certificate = pool.indices[alpha > 0], alpha[alpha > 0] / alpha[alpha > 0].sum()
             check = check_convex(self.head, k, *certificate) if certificate is not None else None
+            if (check is None or not check.accepted or certificate[0].size > self.dim) and centre is not None:
+                # the maximum-entropy weights from the centre's, the centre's Hessian kept for chord steps
+                certificate = pool_certificate(self.head, pool, points, k, null=null, centre=centre)
+                check = check_convex(self.head, k, *certificate) if certificate is not None else None
             if check is None or not check.accepted or certificate[0].size > self.dim:
                 if not start:
                     start.append(pool_start(points[:, :-1]))
