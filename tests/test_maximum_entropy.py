@@ -192,5 +192,10 @@ def test_the_centre_s_weights_start_the_solve_for_rows_beyond_their_first_order_
         assert np.abs(started - fresh).max() <= 1e-9 * fresh.max()
         assert np.all(started > 0) and abs(started.sum() - 1) <= 1e-12
         assert np.abs(started @ pool - target).max() <= 1e-12 * np.abs(pool - target).max()
+    # a prior outside the family (weights that are not maximum-entropy ones) gives other positive weights, which
+    # still reproduce the target: the prior is where the solve starts, not only its factor
+    other = maximum_entropy_weights(pool, target, prior=np.log(rng.uniform(0.5, 1.5, len(pool))))
+    assert other is not None and np.all(other > 0) and np.abs(other - fresh).max() > 1e-6 * fresh.max()
+    assert np.abs(other @ pool - target).max() <= 1e-12 * np.abs(pool - target).max()
     outside = pool.max(axis=0) + 1.0
     assert maximum_entropy_weights(pool, outside, start=shared.factor, prior=np.log(shared.weights), chord=0.7) is None

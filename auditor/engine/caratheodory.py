@@ -200,8 +200,10 @@ def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: 
     same over a whole head). None when it does not converge: the target is not inside the hull.
 
     The Hessian (m D^2, the cost of a step) is formed again only when the previous step with an older one
-    did not cut the gradient to a quarter (a chord step is O(m D)); ``iterations`` bounds the Hessians, and
-    four times as many steps are taken at most. The Hessian only picks the direction of a step: the line
+    did not cut the gradient to ``chord`` times what it was (a quarter unless the caller says otherwise; a
+    chord step is O(m D)); ``iterations`` bounds the Hessians, and four times as many steps are taken at most
+    (_CHORD_STEPS more with a ``start``). A chord step that stalls where the gradient is at its own rounding
+    (_ROUNDING_GRADIENT) ends the solve. The Hessian only picks the direction of a step: the line
     search and the gradient, which the weights must bring to 0, stay in float64. So it is first formed from
     float32 products (half the time), by blocks of rows, for at most _FLOAT32_HESSIANS Hessians; where that does not
     converge, or a step fails, Newton's method starts again from theta = 0 with float64 Hessians (float32
@@ -210,10 +212,12 @@ def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: 
     its factors are torch's (on the CPU's audit threads: numpy's BLAS runs on one during an audit,
     auditor/_threads.py); the O(m D) steps are numpy's, whose small operations cost less than torch's.
 
-    ``start``: a Cholesky factor of the covariance of ``points`` (uniform weights), shared by the targets
-    that use one pool. The Hessian at theta = 0 is that covariance divided by the scale of the offsets,
-    whatever the target, so the first steps of a target near the pool's centre take it as chord steps
-    (O(m D) each) and a fresh Hessian is formed only where they stall.
+    ``start``: a Cholesky factor of the Hessian at theta = 0 in the points' own units, shared by the targets
+    that use one pool: the covariance of ``points`` under uniform weights (pool_start), or under the
+    ``prior``'s (PoolCentre.factor). The Hessian at theta = 0 is that covariance divided by the square of the
+    offsets' scale, whatever the target, so the first steps of a target near the pool's centre take it as
+    chord steps (O(m D) each; the steps are scaled, the factor is not copied) and a fresh Hessian is formed
+    only where they stall.
 
     ``overwrite``: ``points`` is the caller's to spend (a copy made for this call), and the offsets are formed
     in it: one m x D array fewer.
@@ -222,15 +226,15 @@ def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: 
     uniform ones (pi_i proportional to prior_i exp(theta . x_i)). Where the prior weights are themselves
     maximum-entropy weights of the points (the centre's, caratheodory.pool_centre), the family and the answer
     are the same and only the path changes: from the centre's weights, whose Hessian is its PoolCentre's factor
-    (``start``), a target near the centre is a few chord steps away. ``chord``: a fresh Hessian is formed
+    (``start``), a target near the centre takes chord steps first. ``chord``: a fresh Hessian is formed
     where a step leaves the gradient above this fraction of the one before (a chord step costs about 1 / D of
-    a Hessian, so a start close to the answer's Hessian keeps stepping with it); a ``start`` also allows
-    _CHORD_STEPS more steps."""
+    a Hessian, so a start close to the answer's Hessian keeps stepping with it)."""
     # one m x D array, scaled in place: fresh arrays cost page faults
     offsets = np.subtract(points, target, out=points if overwrite else None)
     scale = max(float(offsets.max()), -float(offsets.min())) or 1.0
     offsets /= scale
-    first = start / scale if start is not None else None
+    # start's Hessian over scale^2: its steps are scale^2 times the unscaled factor's (no D x D copy of it)
+    first = (start, scale * scale) if start is not None else None
     found = _entropy_newton(offsets, torch.float32, min(iterations, _FLOAT32_HESSIANS), first, prior, chord)
     return found if found is not None else _entropy_newton(offsets, torch.float64, iterations, first, prior, chord)
 
@@ -263,11 +267,11 @@ _HESSIAN_ROWS = 2048
 
 
 def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
-                    start: torch.Tensor | None = None, prior: np.ndarray | None = None,
+                    start: tuple[torch.Tensor, float] | None = None, prior: np.ndarray | None = None,
                     chord: float = 0.25) -> np.ndarray | None:
     """maximum_entropy_weights' Newton's method from theta = 0, its Hessians formed in ``dtype`` (float32 or
-    float64) products; ``start``, a Cholesky factor of the Hessian at theta = 0, for the first (chord) steps;
-    ``prior`` and ``chord`` as there."""
+    float64) products; ``start``, (a Cholesky factor L, s) with L L^T / s the Hessian at theta = 0, for the
+    first (chord) steps; ``prior`` and ``chord`` as there."""
     narrow = dtype == torch.float32
     theta = np.zeros(offsets.shape[1])
 
@@ -278,36 +282,33 @@ def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
         top = logits.max()
         pi = np.exp(logits - top)
         total = pi.sum()
-        # F's rounding: that of the largest logit it is formed from
-        return pi / total, top + np.log(total), float(np.abs(logits).max())
+        return pi / total, top + np.log(total), abs(float(top))  # F's rounding: about its leading logit's
 
     pi, current, magnitude = weights(theta)
-    factor, hessians, previous, fresh = start, 0, np.inf, False
+    factor, step_scale = start if start is not None else (None, 1.0)
+    hessians, previous = 0, np.inf
     for _ in range(4 * iterations + (_CHORD_STEPS if start is not None else 0)):
         gradient = pi @ offsets
         size = float(np.abs(gradient).max())
         if size <= 1e-15:
             return pi
         if factor is None or size > previous * chord:  # a Newton step: a fresh Hessian
-            if not fresh and factor is not None and size <= _ROUNDING_GRADIENT:
-                return pi  # a chord step stalled where the gradient is rounding: a Hessian would not move it
+            if factor is not None and size <= _ROUNDING_GRADIENT:
+                return pi  # a step stalled where the gradient is rounding: a Hessian would not move it
             if hessians == iterations:
                 break
             # The old factor is let go before the new Hessian is formed, and the factor is written over the
             # Hessian (a tiny ridge first: rows of a normalised head span only a subspace): one D x D array
             # at a time, where the singular case's least squares forms the Hessian again.
-            factor = None
+            factor, step_scale = None, 1.0
             factor, info = cholesky_in_place(_with_ridge(_hessian(offsets, pi, gradient, dtype)))
             hessians += 1
-            fresh = True
             if info != 0:
                 if narrow:  # the float32 rounding may leave a singular Hessian indefinite
                     return None
                 factor = None
-        else:
-            fresh = False
         previous = size
-        step = (torch.cholesky_solve(torch.from_numpy(gradient)[:, None], factor)[:, 0].numpy()
+        step = (torch.cholesky_solve(torch.from_numpy(gradient)[:, None], factor)[:, 0].numpy() * step_scale
                 if factor is not None else None)
         if (step is None or not np.all(np.isfinite(step))) and hessians == 0:  # the shared start failed:
             factor, previous = None, np.inf  # a fresh Hessian next
@@ -367,7 +368,7 @@ def pool_centre(points: np.ndarray, centre: np.ndarray) -> PoolCentre | None:
     point ``centre``; None when the maximum-entropy solve or the factor fails (the centre is not inside
     the pool's hull). One solve and one m D^2 product for the pool, shared by every token near the centre."""
     weights = maximum_entropy_weights(points, centre)
-    if weights is None:
+    if weights is None or not np.all(weights > 0):  # (an underflowed weight: linear_weights and the prior need all)
         return None
     factor, info = cholesky_in_place(_with_ridge(_hessian(points, weights, np.asarray(centre, dtype=np.float64),
                                                             torch.float64)))
@@ -404,10 +405,10 @@ def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
     elimination. No dense certificate first: for a row near the pool's centre (a mean-initialised row rounded
     to bfloat16) this is the work of one elimination on 2D rows. None when the pool does not surround the row.
     ``null``: the null vectors of all of ``points`` (_null_vectors), for a token whose row is not in the pool.
-    ``start``: pool_start's factor, the solve starting from uniform weights; or ``centre``: the solve starting
-    from the centre's weights and factor, the Hessian kept while its chord steps still halve the gradient (a
-    row near the centre, where the first-order weights of linear_weights turn negative, takes chord steps
-    alone and no Hessian)."""
+    ``start``: pool_start's factor, the solve starting from uniform weights; or ``centre``, for a token whose
+    row is not in the pool: the solve starting from the centre's weights and factor, the factor kept while
+    its chord steps cut the gradient by 30 % (a row near the centre, where the first-order weights of
+    linear_weights turn negative, takes fewer Hessians than from uniform weights)."""
     others = pool.indices != k
     target = lifted_points(head, np.array([k]))[0, :-1]
     if centre is not None:
