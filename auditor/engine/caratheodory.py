@@ -405,9 +405,9 @@ def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
     elimination. No dense certificate first: for a row near the pool's centre (a mean-initialised row rounded
     to bfloat16) this is the work of one elimination on 2D rows. None when the pool does not surround the row.
     ``null``: the null vectors of all of ``points`` (_null_vectors), for a token whose row is not in the pool.
-    ``start``: pool_start's factor, the solve starting from uniform weights; or ``centre``, for a token whose
-    row is not in the pool: the solve starting from the centre's weights and factor, the factor kept while
-    its chord steps cut the gradient by 30 % (a row near the centre, where the first-order weights of
+    ``start``: pool_start's factor, the solve starting from uniform weights; or ``centre``: the solve starting
+    from the centre's weights (less row k's, for a row of the pool) and factor, the factor kept while its
+    chord steps cut the gradient by 30 % (a row near the centre, where the first-order weights of
     linear_weights turn negative, takes fewer Hessians than from uniform weights)."""
     others = pool.indices != k
     target = lifted_points(head, np.array([k]))[0, :-1]

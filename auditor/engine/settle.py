@@ -185,8 +185,8 @@ class CentreRoutes:
         bfloat16 sit tens of times further out than the float32 ones): the centre's weights on the pool moved
         to the row by one linear solve (caratheodory.linear_weights), or where one of those weights is not
         positive the row's maximum-entropy weights (caratheodory.pool_certificate: from the centre's weights,
-        stepping with the centre's factor; for a row of the pool itself from uniform weights, whose first steps
-        share one factor of the pool's covariance), and one elimination. The pool's points, the centre's weights and
+        stepping with the centre's factor; failing that from uniform weights, whose first steps share one factor
+        of the pool's covariance), and one elimination. The pool's points, the centre's weights and
         factor are made once for all of ``ks`` and let go after."""
         found: dict[int, tuple[np.ndarray, np.ndarray, float, float]] = {}
         if self.centre is None or not ks or self.head.bias is not None:  # (rows without a bias: their point is w_k)
@@ -205,13 +205,15 @@ class CentreRoutes:
                     alpha = eliminate(points, nu, null)
                     certificate = pool.indices[alpha > 0], alpha[alpha > 0] / alpha[alpha > 0].sum()
             check = check_convex(self.head, k, *certificate) if certificate is not None else None
+            if (check is None or not check.accepted or certificate[0].size > self.dim) and centre is not None:
+                # from the centre's weights, its factor kept for chord steps (a row of the pool too: without
+                # it the centre's weights are still of the family, and its factor is H less one rank-one term)
+                certificate = pool_certificate(self.head, pool, points, k, null=null, centre=centre)
+                check = check_convex(self.head, k, *certificate) if certificate is not None else None
             if check is None or not check.accepted or certificate[0].size > self.dim:
-                if centre is not None and away:  # from the centre's weights, its factor kept for chord steps
-                    certificate = pool_certificate(self.head, pool, points, k, null=null, centre=centre)
-                else:  # from uniform weights (the same answer: the centre's weights are of their family)
-                    if not start:
-                        start.append(pool_start(points[:, :-1]))
-                    certificate = pool_certificate(self.head, pool, points, k, start[0], null)
+                if not start:  # from uniform weights, where the centre has no weights on the pool
+                    start.append(pool_start(points[:, :-1]))
+                certificate = pool_certificate(self.head, pool, points, k, start[0], null)
                 check = check_convex(self.head, k, *certificate) if certificate is not None else None
             if check is not None and check.accepted and certificate[0].size <= self.dim:
                 found[k] = (*certificate, check.residual, check.bias_gap)
