@@ -211,7 +211,7 @@ class CentreRoutes:
                 certificate = pool_certificate(self.head, pool, points, k, null=null, centre=centre)
                 check = check_convex(self.head, k, *certificate) if certificate is not None else None
             if check is None or not check.accepted or certificate[0].size > self.dim:
-                if not start:  # from uniform weights, where the centre has no weights on the pool
+                if not start:  # from uniform weights: where the centre has no weights on the pool, or its route failed
                     start.append(pool_start(points[:, :-1]))
                 certificate = pool_certificate(self.head, pool, points, k, start[0], null)
                 check = check_convex(self.head, k, *certificate) if certificate is not None else None
