@@ -7,12 +7,12 @@
 
 from auditor._version import __version__
 from auditor.api import audit
-from auditor.certificates import Certificates, TokenVerdict, load_certificates
-from auditor.domain import Ball, Box, Norm, Unbounded, parse_domain
 from auditor.errors import AuditorError, InputError
 from auditor.integrations.model import audit_model
-from auditor.norm import FinalNorm
-from auditor.report import AuditReport
+from auditor.question.domain import Ball, Box, Norm, Unbounded, parse_domain
+from auditor.question.norm import FinalNorm
+from auditor.verdicts.certificates import Certificates, TokenVerdict, load_certificates
+from auditor.verdicts.report import AuditReport
 from auditor.verify import Verification, verify
 
 __all__ = [

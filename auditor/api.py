@@ -10,16 +10,16 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from auditor._arrays import as_float64
-from auditor._input import check_options, prepare_inputs, prepare_token_ids, resolve_device
-from auditor._threads import applying_threads
-from auditor.domain import Ball, Domain, Norm, parse_domain
 from auditor.engine import ARGMAXABLE, INCONCLUSIVE, STAGES, UNARGMAXABLE, UNDECIDED, EngineOptions, decide
-from auditor.engine.ties import duplicate_groups
+from auditor.engine.screen.ties import duplicate_groups
 from auditor.errors import InputError
-from auditor.factorised import is_factor_pair, split_factors
-from auditor.norm import FinalNorm, NormMap, exact_ties, output_error, reduce_head
-from auditor.report import AuditReport
+from auditor.question.domain import Ball, Domain, Norm, parse_domain
+from auditor.question.factorised import is_factor_pair, split_factors
+from auditor.question.norm import FinalNorm, NormMap, exact_ties, output_error, reduce_head
+from auditor.util.arrays import as_float64
+from auditor.util.input import check_options, prepare_inputs, prepare_token_ids, resolve_device
+from auditor.util.threads import applying_threads
+from auditor.verdicts.report import AuditReport
 
 
 def _row_reader(weight):
@@ -83,7 +83,7 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     check_options(residual_tol, frank_wolfe_iterations, lp_rounds, newton_iterations, min_norm_rounds)
     parsed_domain = parse_domain(domain)
     factorisation = None
-    if is_factor_pair(weight):  # W = U @ V is decided exactly as U (see auditor/factorised.py)
+    if is_factor_pair(weight):  # W = U @ V is decided exactly as U (see auditor/question/factorised.py)
         weight, factorisation = split_factors(weight, parsed_domain)
     if probability_ceiling and not parsed_domain.bounded:
         raise InputError("probability ceilings need a bounded domain (ball:R, box:R or norm): in the unbounded "
@@ -229,7 +229,7 @@ def _hull_fallback(d, weight: torch.Tensor, bias: torch.Tensor | None,
     left = np.nonzero(d.verdict == INCONCLUSIVE)[0]
     if left.size == 0:
         return
-    from auditor.domain import Unbounded
+    from auditor.question.domain import Unbounded
 
     plain = decide(weight, bias, left, Unbounded(), options, progress=False)
     typical = plain.tolerances["typical_spread"]

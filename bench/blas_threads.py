@@ -1,6 +1,6 @@
 """What numpy's own BLAS threads cost an audit: the few-token audits of bench/added_tokens.py (8 added rows of
 the real MiniLM head, and of the Llama-3 vocabulary at width 1024) with numpy's and scipy's OpenBLAS limited
-to one thread during the audit (what auditor/_threads.py does) and with that limit lifted (their threads
+to one thread during the audit (what auditor/util/threads.py does) and with that limit lifted (their threads
 left as they are: one per core unless OPENBLAS_NUM_THREADS says otherwise).
 
     OMP_NUM_THREADS=2 python bench/blas_threads.py [--embeddings FILE] [--repeats 5] [--skip-llama]
@@ -23,7 +23,7 @@ from added_tokens import llama_like
 from threadpoolctl import threadpool_info
 
 import auditor
-import auditor._threads as threads
+import auditor.util.threads as threads
 
 
 class _Unlimited:

@@ -31,18 +31,21 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import auditor  # noqa: E402
-from auditor.engine import anchor, caratheodory, dual_simplex, interior, pipeline, settle  # noqa: E402
+from auditor.engine import pipeline, settle, stages  # noqa: E402
+from auditor.engine.exact import caratheodory, dual_simplex, elimination, pools  # noqa: E402
+from auditor.engine.solvers import anchor, interior  # noqa: E402
 from vocabulary_scale import SHAPES, make_head  # noqa: E402
 
 # the engine functions a sample is attributed to: (module or class, attribute, label)
 _WATCHED = (
-    [(pipeline, name, name) for name in ("_screen", "_whitened", "_centre_first", "_centre_distance", "_interior",
-                                         "_anchored", "_frank_wolfe", "_newton", "_min_norm", "_lp", "sparsify",
-                                         "normal_form", "to_given_units")]
+    [(stages, name, name) for name in ("screen_stage", "whitened_stage", "centre_first", "centre_distance",
+                                       "interior_stage", "anchored_stage", "frank_wolfe_stage", "newton_stage",
+                                       "min_norm_stage", "lp_stage")]
+    + [(pipeline, name, name) for name in ("sparsify", "normal_form", "to_given_units")]
     + [(settle.CentreRoutes, name, "routes." + name) for name in ("__init__", "direct", "pooled", "reduce", "_basis")]
-    + [(module, name, name) for module in (caratheodory, settle, anchor)
+    + [(module, name, name) for module in (caratheodory, elimination, pools, settle, anchor)
        for name in ("spread_pool", "centre_pool", "from_pool", "maximum_entropy_weights", "reduce_support",
-                    "reduce_supports", "eliminate", "_null_vectors", "pool_centre", "pool_start", "pool_certificate",
+                    "reduce_supports", "eliminate", "null_vectors", "pool_centre", "pool_start", "pool_certificate",
                     "linear_weights", "shared_null_vectors", "lifted_points", "_hessian")]
     + [(anchor, name, name) for name in ("_pooled", "_whole_head")]
     + [(anchor._Origin, "__init__", "origin"), (dual_simplex.Basis, "__init__", "Basis"),

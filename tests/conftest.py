@@ -148,10 +148,10 @@ def engine_head(weight, bias=None):
     normal form with its carry (the rows as given, their power of two taken where they are read)."""
     import torch
 
-    from auditor.domain import Unbounded
-    from auditor.engine.head import build_engine_head
-    from auditor.engine.normal_form import normal_form
-    from auditor.engine.ties import duplicate_groups
+    from auditor.question.domain import Unbounded
+    from auditor.engine.arithmetic.head import build_engine_head
+    from auditor.engine.arithmetic.normal_form import normal_form
+    from auditor.engine.screen.ties import duplicate_groups
 
     representative = duplicate_groups(weight, bias)
     form = normal_form(weight, bias, Unbounded(), torch.as_tensor(representative == np.arange(len(weight))),

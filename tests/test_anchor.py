@@ -1,4 +1,4 @@
-"""Rows on a ray through the origin (engine/anchor.py): a row swallowed by a longer copy of itself takes
+"""Rows on a ray through the origin (engine/solvers/anchor.py): a row swallowed by a longer copy of itself takes
 the origin's certificate and the weight on the copy, on at most D rows, checked in float64 and against
 an LP over all rows."""
 
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import auditor
-from auditor.domain import Unbounded
-from auditor.engine.anchor import anchored_certificates
-from auditor.engine.head import build_engine_head
-from auditor.engine.ties import duplicate_groups
+from auditor.engine.arithmetic.head import build_engine_head
+from auditor.engine.screen.ties import duplicate_groups
+from auditor.engine.solvers.anchor import anchored_certificates
+from auditor.question.domain import Unbounded
 from oracles import convex_residual, lp_margin
 import auditor.engine.pipeline as pipeline
 
@@ -86,7 +86,7 @@ def test_a_row_of_the_origin_s_basis_moves_its_own_weight_across_instead_of_pivo
     # A swallowed row that is one of the rows the origin's certificate rests on: p's combination puts weight a
     # on w_k itself, and w_k = sum_i c_i w_i / (1 - a) needs no pivot to take w_k out of the basis. The longer
     # copy is appended; the first row of the origin's basis that stays in it with the copy there is the token.
-    from auditor.engine import anchor
+    from auditor.engine.solvers import anchor
 
     n, d = 3000, 12
     W = trained_like(rng, n, d, offset=2.0)
@@ -168,11 +168,11 @@ def test_audits_of_swallowed_rows_match_the_lp(rng, offset):
 
 
 def test_swallowed_rows_are_settled_before_frank_wolfe_and_the_rest_still_reach_it(rng, monkeypatch):
-    from auditor.engine import pipeline
+    from auditor.engine import stages
 
     seen = []
-    original = pipeline.frank_wolfe
-    monkeypatch.setattr(pipeline, "frank_wolfe", lambda head, ids, *rest: seen.extend(ids.tolist())
+    original = stages.frank_wolfe
+    monkeypatch.setattr(stages, "frank_wolfe", lambda head, ids, *rest: seen.extend(ids.tolist())
                         or original(head, ids, *rest))
     W = trained_like(rng, 600, 10, 0.0)
     planted = swallowed(W, rng, 4)
@@ -180,7 +180,7 @@ def test_swallowed_rows_are_settled_before_frank_wolfe_and_the_rest_still_reach_
     # With this row (at 2500 rows, when the origin's route was added) the origin's Newton solve reached a
     # point where F is flat to float64 three times short of its goal: steps are then judged by the residual
     # they leave. 600 rows keep every assertion below (the 2500 rows no longer reach that flat point either).
-    from auditor.engine.anchor import _Origin
+    from auditor.engine.solvers.anchor import _Origin
     assert _Origin(engine_head(W.astype(np.float32)), 40).basis is not None
     report = auditor.audit(W.astype(np.float32), progress=False)
     assert all(report.tokens[k].verdict == "unargmaxable" and report.tokens[k].stage == "newton"
@@ -194,14 +194,14 @@ def test_a_translated_head_takes_the_route_through_the_origin_it_was_given_in(rn
     # A tight cloud far from the origin (the normal form translates it) and a few rows around the origin
     # keep the origin inside the hull; rows swallowed towards the given origin are settled by the route
     # alone: Frank-Wolfe and the per-token Newton solves are switched off.
-    import auditor.engine.pipeline as pipeline
+    from auditor.engine import stages
 
     n, d = 250, 6  # the cloud's rows all go to the exact LP: its cost grows with n
     far = 1000.0 * np.eye(d)[0] + trained_like(rng, n, d, offset=0.0)
     around = 3000.0 * np.vstack([np.eye(d), -np.eye(d)])
     W = np.vstack([far, around])
     planted = swallowed(W[:n], rng, 3)
-    monkeypatch.setattr(pipeline, "tilted_certificates", lambda *args, **kwargs: {})
+    monkeypatch.setattr(stages, "tilted_certificates", lambda *args, **kwargs: {})
     report = auditor.audit(W, progress=False, frank_wolfe_iterations=0)
     for k in planted.tolist():
         token = report.tokens[k]
@@ -213,7 +213,7 @@ def test_the_origin_s_weights_come_from_the_rows_leading_towards_it(rng):
     # Off the centre the origin's weights are found on the rows that lead along the first Newton step
     # (anchor._pooled: 2D or more, few of the head's): its certificate rests on those rows alone, and the
     # tokens' certificates built on it agree with the LP over all rows.
-    from auditor.engine import anchor
+    from auditor.engine.solvers import anchor
 
     n, d = 3000, 12
     W = trained_like(rng, n, d, offset=2.0)
@@ -242,7 +242,7 @@ def test_an_origin_the_leading_rows_do_not_hold_takes_the_whole_head_s_solve(n, 
     # maximum-entropy solve fails (None). At 3 standard deviations fewer than D / 2 lie beyond: no pool is tried
     # (its solve would miss at the cost of its Hessians). Either way the whole head's Newton solve finds the
     # origin's certificate, on which a row at the origin is decided as the LP over all rows decides it.
-    from auditor.engine import anchor
+    from auditor.engine.solvers import anchor
 
     W = trained_like(np.random.default_rng(0), n, d, offset=offset)
     W[-1] = 0.0

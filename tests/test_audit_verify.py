@@ -105,7 +105,7 @@ def test_true_head_passes_in_python_from_the_file_and_from_its_json(demo_certifi
 def test_formula_witnesses_resolve_to_the_audits_own_bits():
     weight = load_file(str(DEMO))["weight"]
     report = auditor.audit(weight, progress=False)
-    resolved = auditor.certificates.parse_certificates(json.loads(json.dumps(report.to_dict()))).resolve(weight)
+    resolved = auditor.verdicts.certificates.parse_certificates(json.loads(json.dumps(report.to_dict()))).resolve(weight)
     assert resolved.witness_formulas == {}
     for k in range(report.n_tokens):
         ours, theirs = resolved.tokens[k].witness, report.tokens[k].witness

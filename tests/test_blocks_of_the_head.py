@@ -5,21 +5,22 @@ import numpy as np
 import pytest
 import torch
 
-import auditor.engine.head as engine_head
-import auditor.engine.normal_form as normal_form
-import auditor.engine.power_of_two as power_of_two
+import auditor.engine.arithmetic.head as engine_head
+import auditor.engine.arithmetic.normal_form as normal_form
+import auditor.engine.arithmetic.power_of_two as power_of_two
+import auditor.engine.arithmetic.row_statistics as row_statistics
 
 
 def test_the_median_by_blocks_of_columns_is_the_whole_matrix_median(rng, monkeypatch):
     W = torch.from_numpy(rng.standard_normal((501, 37)).astype(np.float32))
     competitor = torch.from_numpy(rng.random(501) > 0.3)
     whole = torch.kthvalue(W[competitor].T.contiguous(), (int(competitor.sum()) + 1) // 2, dim=1).values.double()
-    monkeypatch.setattr(engine_head, "_MEDIAN_ENTRIES", 1000)  # two columns a block
-    monkeypatch.setattr(engine_head, "_MEDIAN_COLUMNS", 2)
+    monkeypatch.setattr(row_statistics, "_MEDIAN_ENTRIES", 1000)  # two columns a block
+    monkeypatch.setattr(row_statistics, "_MEDIAN_COLUMNS", 2)
     for threads in (1, 3):  # one thread, and columns shared among three
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-        median, largest, smallest = engine_head.column_statistics(W, competitor)
-        assert torch.equal(median, whole) and torch.equal(engine_head.median_row(W, competitor), whole)
+        median, largest, smallest = row_statistics.column_statistics(W, competitor)
+        assert torch.equal(median, whole) and torch.equal(row_statistics.median_row(W, competitor), whole)
         assert torch.equal(largest, W[competitor].max(dim=0).values.double())
         assert torch.equal(smallest, W[competitor].min(dim=0).values.double())
 
@@ -76,11 +77,12 @@ def _heads(rng):
 def test_the_facts_the_normal_form_measures_are_those_the_engine_head_finds(rng, monkeypatch):
     """norms, distances from the median, the centre and the centre's products: the normal form finds them on
     the head as given and scales them; build_engine_head finds them on the normal form's rows. Bit for bit."""
-    from auditor.domain import Unbounded
-    from auditor.engine.ties import duplicate_groups
+    from auditor.question.domain import Unbounded
+    from auditor.engine.screen.ties import duplicate_groups
 
     monkeypatch.setattr(normal_form, "_BLOCK_ROWS", 64)
     monkeypatch.setattr(engine_head, "_BLOCK_ROWS", 64)
+    monkeypatch.setattr(row_statistics, "_BLOCK_ROWS", 64)
     for name, W in _heads(rng):
         representative = duplicate_groups(W, None)
         competitor = torch.as_tensor(representative == np.arange(len(representative)))

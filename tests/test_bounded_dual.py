@@ -12,8 +12,8 @@ import torch
 
 import auditor
 from oracles import lp_margin
-from auditor.engine.bounded_dual import _BoxNorm, _line_search
 import auditor.engine.pipeline as pipeline
+from auditor.engine.solvers.bounded_dual import _BoxNorm, _line_search
 
 
 @pytest.fixture(autouse=True)

@@ -125,7 +125,7 @@ def test_allow_list_of_ids_and_token_strings_passes_the_gate(resized, tmp_path, 
 
 
 def test_allow_list_syntax(tmp_path):
-    from auditor.gate import AllowList
+    from auditor.findings.gate import AllowList
 
     path = tmp_path / "allow.txt"
     path.write_text('# comment\n12\n  <|im_end|>  # chat stop token\n"##ing"\n" 123" # quoted keeps spaces\n'

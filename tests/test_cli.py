@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from auditor._io import write_atomically
 from auditor.cli.audit import main
 from auditor.errors import InputError
+from auditor.util.io import write_atomically
 from conftest import run_command
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

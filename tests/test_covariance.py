@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import auditor
-from auditor.engine import head as head_module
-from auditor.engine.rounding import UNIT_ROUNDOFF, UNIT_ROUNDOFF_32
+from auditor.engine.arithmetic import head as head_module
+from auditor.engine.arithmetic.rounding import UNIT_ROUNDOFF, UNIT_ROUNDOFF_32
 from conftest import engine_head
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import auditor
-from auditor.engine import low_precision
-from auditor.engine import head as head_module
-from auditor.engine import screen as screen_module
+from auditor.engine.arithmetic import head as head_module
+from auditor.engine.screen import low_precision
+from auditor.engine.screen import gram as screen_module
 from conftest import mean_initialised
 from oracles import qhull_argmaxable, witness_wins
 

@@ -10,9 +10,9 @@ from safetensors.numpy import save_file
 
 import auditor
 from auditor.errors import InputError
-from auditor.findings import gate_classes, greedy_decoding
-from auditor.gate import DEFAULT_FAIL_ON, parse_fail_on, run_gate
-from auditor.head import Head
+from auditor.findings.finding import gate_classes, greedy_decoding
+from auditor.findings.gate import DEFAULT_FAIL_ON, parse_fail_on, run_gate
+from auditor.question.head import Head
 from conftest import run_command
 
 CIRCLE = 8  # ids 0..7: points on the unit circle, every one a vertex of the hull

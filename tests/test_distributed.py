@@ -29,9 +29,9 @@ from safetensors.numpy import save_file
 
 import auditor
 from auditor.cli.audit import main
-from auditor.blocks import plan_blocks
-from auditor.certificates import merge_certificates
-from auditor.distributed import _outcome
+from auditor.runs.blocks import plan_blocks
+from auditor.runs.distributed import _outcome
+from auditor.verdicts.certificates import merge_certificates
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -308,8 +308,8 @@ def test_rank_0_says_which_rank_failed_and_says_a_common_error_once():
 def test_the_head_fingerprint_sees_one_bit_in_any_array_and_dtype():
     import torch
 
-    from auditor.head import Head
-    from auditor.workdir import head_fingerprint
+    from auditor.question.head import Head
+    from auditor.runs.workdir import head_fingerprint
 
     weight = torch.arange(24, dtype=torch.float32).reshape(6, 4).to(torch.bfloat16)
     flipped = weight.clone()

@@ -1,4 +1,4 @@
-"""The dual simplex from a shared basis (engine/dual_simplex.py): a certificate exactly when the point lies
+"""The dual simplex from a shared basis (engine/exact/dual_simplex.py): a certificate exactly when the point lies
 in the hull of the pool (an LP over the pool and, in three dimensions, qhull as oracles), on at most as
 many rows as the pool spans, never the token's own row, and accepted by the float64 check."""
 
@@ -8,12 +8,13 @@ import scipy.optimize
 import scipy.spatial
 import torch
 
-from auditor.domain import Unbounded
-from auditor.engine.caratheodory import centre_pool, lifted_points, reduce_support, spread_pool
-from auditor.engine.certify import check_convex
-from auditor.engine.dual_simplex import Basis
-from auditor.engine.head import build_engine_head
-from auditor.engine.ties import duplicate_groups
+from auditor.engine.arithmetic.head import build_engine_head
+from auditor.engine.exact.caratheodory import lifted_points, reduce_support
+from auditor.engine.exact.certify import check_convex
+from auditor.engine.exact.dual_simplex import Basis
+from auditor.engine.exact.pools import centre_pool, spread_pool
+from auditor.engine.screen.ties import duplicate_groups
+from auditor.question.domain import Unbounded
 from conftest import mean_initialised
 
 
@@ -219,7 +220,7 @@ def test_a_basis_given_its_points_spends_them_and_answers_as_one_that_gathers_th
 
 @pytest.mark.parametrize("m", [1, 2, 7, 64])
 def test_rows_reordered_in_place_as_by_a_gather(rng, m):
-    from auditor.engine.dual_simplex import _reorder_rows
+    from auditor.engine.exact.dual_simplex import _reorder_rows
     for _ in range(20):
         rows = rng.standard_normal((m, 5))
         order = rng.permutation(m)
@@ -229,7 +230,7 @@ def test_rows_reordered_in_place_as_by_a_gather(rng, m):
 
 
 def test_the_inverse_written_over_its_matrix_is_the_inverse_of_its_transpose(rng):
-    from auditor.engine.dual_simplex import _inverse_if_well_conditioned
+    from auditor.engine.exact.dual_simplex import _inverse_if_well_conditioned
     square = rng.standard_normal((40, 40))
     want = np.linalg.inv(square.T)
     copy = square.copy()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-import auditor.engine.ties as ties
+import auditor.engine.screen.ties as ties
 
 
 def _oracle(W: np.ndarray, b: np.ndarray | None) -> np.ndarray:

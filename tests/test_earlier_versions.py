@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from auditor import workdir
 from auditor.cli.audit import main
 from auditor.errors import InputError
-from auditor.merge import read_shard
+from auditor.runs import workdir
+from auditor.runs.merge import read_shard
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT / "fixtures" / "seed_2d.safetensors"

@@ -641,7 +641,7 @@ def test_the_issue_rows_lose_two_units_too():
 @pytest.fixture(autouse=True)
 def _whitened_witnesses_through_the_bfloat16_copy(monkeypatch):
     """The whitened witnesses go through the bfloat16 product (its allowance is under test) on any head."""
-    from auditor.engine import screen
+    from auditor.engine.screen import gram as screen
 
     monkeypatch.setattr(screen, "_WHITENED_COPY_ROWS", 0)
 
@@ -754,7 +754,7 @@ def test_subnormal_entries_beside_the_worst_cases(storage):
 def test_the_forced_audits_take_the_planted_rows_through_the_bfloat16_products(setting, monkeypatch):
     """The knobs do what the tests above rely on: with bfloat16_entries=0 the bfloat16 pass tries the planted
     row, and without a bias the whitened witnesses it leaves are tried through the bfloat16 product too."""
-    from auditor.engine import low_precision
+    from auditor.engine.screen import low_precision
 
     seen = {"pass": set(), "witnesses": set()}
 
@@ -779,7 +779,7 @@ def test_the_forced_audits_take_the_planted_rows_through_the_bfloat16_products(s
 def test_an_allowance_on_the_wrong_unit_roundoff_is_caught(monkeypatch):
     """The checks above have teeth: with bfloat16's unit roundoff put back at 2^-9 inside the pass, the issue's
     head and a planted vertex get certificates that the exact check rejects."""
-    from auditor.engine import low_precision
+    from auditor.engine.screen import low_precision
 
     if not hasattr(low_precision, "UNIT_ROUNDOFF_BF16"):
         pytest.skip("the pass no longer reads its unit roundoff under this name")
@@ -829,7 +829,7 @@ def test_the_unit_roundoffs_are_the_formats():
     """Each rounding constant from its format's definition: p significant bits (53, 24, 11, 8) give u = 2^-p;
     k exponent bits give the smallest normal exponent emin = 2 - 2^(k-1), the smallest normal 2^emin and the
     smallest subnormal 2^(emin - p + 1). Computed here with ldexp, not from finfo."""
-    from auditor.engine import rounding
+    from auditor.engine.arithmetic import rounding
     from auditor.verify import arithmetic
 
     formats = {torch.float64: (53, 11), torch.float32: (24, 8), torch.float16: (11, 5), torch.bfloat16: (8, 8)}

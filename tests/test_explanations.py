@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import auditor
-from auditor.gate import run_gate
-from auditor.head import Head
+from auditor.findings.gate import run_gate
+from auditor.question.head import Head
 from conftest import mean_initialised
 
 
@@ -75,7 +75,7 @@ def test_explanations_say_first_in_plain_words_what_the_finding_means_for_genera
 
 
 def test_every_kind_has_one_next_step_saying_what_people_do(gated):
-    from auditor.explain import NEXT_STEPS
+    from auditor.findings.explain import NEXT_STEPS
 
     found = by_id(gated)
     for k in (400, 404, 405):
@@ -90,7 +90,7 @@ def test_every_kind_has_one_next_step_saying_what_people_do(gated):
 
 
 def test_each_summary_line_has_its_next_step(gated):
-    from auditor.explain import NEXT_STEPS
+    from auditor.findings.explain import NEXT_STEPS
 
     kinds = list(dict.fromkeys(f.kind for f in gated.findings))
     assert len(gated.next_steps) == len(gated.summaries) == len(kinds)
@@ -138,7 +138,7 @@ def test_bounded_domain_findings_say_the_domain_keeps_them_out_of_reach(rng):
 
 
 def test_id_ranges_are_compact():
-    from auditor.explain import id_ranges
+    from auditor.findings.explain import id_ranges
 
     assert id_ranges([5, 3, 4, 9, 11, 12]) == "3–5, 9, 11–12"
     assert id_ranges(list(range(0, 40, 2)), limit=3) == "0, 2, 4 and 17 more"

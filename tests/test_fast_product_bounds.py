@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from auditor.engine.bounded_dual import _WorkingSet
+from auditor.engine.solvers.bounded_dual import _WorkingSet
 from conftest import engine_head
 
 

@@ -14,7 +14,7 @@ import pytest
 from oracles import convex_residual, lp_margin, witness_wins
 
 import auditor
-from auditor.engine.head import EngineHead
+from auditor.engine.arithmetic.head import EngineHead
 
 ADDED = ("exact mean", "transformers", "llamafactory", "axolotl", "copy")
 

@@ -9,12 +9,12 @@ import pytest
 
 import auditor
 from auditor.errors import InputError
-from auditor.explain import NEXT_STEPS
+from auditor.findings.explain import NEXT_STEPS
+from auditor.findings.gate import FINDING_VERDICTS, Finding, GateResult, run_gate
 from auditor.formats import DOCUMENT_FORMATS, json_format, markdown, text
 from auditor.formats._common import SHOWN_PER_VERDICT
-from auditor.gate import FINDING_VERDICTS, Finding, GateResult, run_gate
-from auditor.head import Head
-from auditor.merge import merge_reports
+from auditor.question.head import Head
+from auditor.runs.merge import merge_reports
 from conftest import run_module
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

@@ -212,7 +212,7 @@ def test_token_strings_are_escaped(hostile_folder):
     pytest.importorskip("matplotlib")
     import auditor
     from auditor.formats import html
-    from auditor.gate import run_gate
+    from auditor.findings.gate import run_gate
     from auditor.loader import load_head
 
     head = load_head(hostile_folder)
@@ -234,7 +234,7 @@ def test_table_lists_a_bounded_number_of_rows_per_verdict_and_counts_the_rest(ho
     pytest.importorskip("matplotlib")
     import auditor
     from auditor.formats import html
-    from auditor.gate import run_gate
+    from auditor.findings.gate import run_gate
     from auditor.loader import load_head
 
     monkeypatch.setattr(html, "_ROWS_PER_VERDICT", 2)
@@ -261,7 +261,7 @@ def test_page_is_one_well_formed_html5_document(demo_page):
 
 
 def test_projection_matches_an_svd_of_the_centred_rows(monkeypatch):
-    from auditor import plot_data
+    from auditor.formats import plot_data
 
     monkeypatch.setattr(plot_data, "_BLOCK_VALUES", 7 * 16)  # blocks of 7 rows: the sums run over many blocks
     rng = np.random.default_rng(3)
@@ -332,8 +332,8 @@ def small_page() -> str:
     from auditor import audit
     from auditor.formats.html import render_page
     from auditor.formats.json_format import document
-    from auditor.gate import run_gate
-    from auditor.head import Head
+    from auditor.findings.gate import run_gate
+    from auditor.question.head import Head
 
     W = np.array([[1, 2], [2, 1], [1, 0], [0, 1], [1, 1], [1, 0]], dtype=np.float32)  # 4 inside, 2 = 5
     return render_page(document(run_gate(Head(weight=W), audit(W, progress=False))), [], "audit head.npy")
@@ -354,7 +354,7 @@ def test_page_has_a_glossary_of_residual_margin_dual_bound_and_group_verdict():
 def test_each_summary_on_the_page_carries_its_next_step():
     from html import unescape
 
-    from auditor.explain import NEXT_STEPS
+    from auditor.findings.explain import NEXT_STEPS
 
     page = unescape(small_page())
     for kind in ("copy", "hull"):
@@ -382,7 +382,7 @@ def test_cjk_token_strings_are_written_as_themselves_in_utf8(tmp_path):
     pytest.importorskip("matplotlib")
     import auditor
     from auditor.formats import html
-    from auditor.gate import run_gate
+    from auditor.findings.gate import run_gate
     from auditor.loader import load_head
 
     model, keys = cjk_folder(tmp_path)

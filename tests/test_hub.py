@@ -24,8 +24,8 @@ pytest.importorskip("huggingface_hub")
 import huggingface_hub.constants  # noqa: E402  (after the skip: the package is an optional extra)
 
 from auditor.cli.audit import main as audit  # noqa: E402
-from auditor.loader.hub_id import is_hub_id, parse_hub_id  # noqa: E402
 from auditor.cli.verify import main as audit_verify  # noqa: E402
+from auditor.loader.hub_id import is_hub_id, parse_hub_id  # noqa: E402
 
 COMMIT = "3f1c0d9e8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e"
 LATER_COMMIT = "9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b"

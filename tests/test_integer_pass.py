@@ -1,4 +1,4 @@
-"""The int8 pass of the screen (auditor/engine/integer_pass.py), checked in exact rational arithmetic.
+"""The int8 pass of the screen (auditor/engine/screen/integer_pass.py), checked in exact rational arithmetic.
 
 The pass puts each centred row y = w - c on a grid of step 2^(E - 7), where 2^(E - 1) <= max_j |y_j| < 2^E,
 multiplies the integers exactly and bounds what the grids lost. The worst case for such a bound is a row
@@ -18,9 +18,11 @@ import pytest
 import torch
 
 import auditor
-from auditor.domain import parse_domain
-from auditor.engine import integer_pass, low_precision, screen
-from auditor.engine.head import build_engine_head
+from auditor.engine.arithmetic.head import build_engine_head
+from auditor.engine.screen import integer_pass
+from auditor.engine.screen import low_precision
+from auditor.engine.screen import gram as screen
+from auditor.question.domain import parse_domain
 from oracles import qhull_argmaxable
 from test_exact_worst_cases import Case, as_float, assert_combination, check_report, power, store
 

@@ -1,4 +1,4 @@
-"""The bfloat16 pass of the screen (auditor/engine/low_precision.py) against plain float64 oracles.
+"""The bfloat16 pass of the screen (auditor/engine/screen/low_precision.py) against plain float64 oracles.
 
 The pass may certify a token only when the exact margin at its witness z = w_k - c is positive beyond
 the float64 re-check. Close calls are planted around the allowance: pairs of rows y_j = (1 - mu) y_k
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import auditor
-from auditor.domain import parse_domain
-from auditor.engine import low_precision
-from auditor.engine import head as head_module
-from auditor.engine.head import build_engine_head
+from auditor.engine.arithmetic import head as head_module
+from auditor.engine.arithmetic.head import build_engine_head
+from auditor.engine.screen import low_precision
+from auditor.question.domain import parse_domain
 from oracles import qhull_argmaxable, witness_wins
 
 

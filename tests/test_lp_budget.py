@@ -5,7 +5,7 @@ import pytest
 from oracles import lp_margin
 
 import auditor
-import auditor.engine.lp as lp
+import auditor.engine.exact.lp as lp
 
 
 def _counting_solves(monkeypatch) -> list[tuple[int, int]]:

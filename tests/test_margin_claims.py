@@ -25,9 +25,9 @@ from safetensors.numpy import save_file
 
 import auditor
 import auditor.engine.pipeline as pipeline
-from auditor.engine import low_precision
+from auditor.engine import stages as engine_stages
+from auditor.engine.screen import low_precision
 from conftest import run_command
-import auditor.engine.pipeline as pipeline
 
 
 @pytest.fixture(autouse=True)
@@ -208,7 +208,7 @@ def test_float32_heads_in_other_domains_state_lower_bounds(rng, domain, with_bia
 def proved(monkeypatch):
     """The ids the bfloat16 pass and the whitened witnesses prove, as they prove them."""
     found = {"bfloat16": set(), "whitened": set()}
-    bfloat16_pass, whitened = low_precision.bfloat16_pass, pipeline.whitened_witnesses
+    bfloat16_pass, whitened = low_precision.bfloat16_pass, engine_stages.whitened_witnesses
 
     def pass_(head, ids, *args, **kwargs):
         out = bfloat16_pass(head, ids, *args, **kwargs)
@@ -222,7 +222,7 @@ def proved(monkeypatch):
         return tried, witnesses, check
 
     monkeypatch.setattr(low_precision, "bfloat16_pass", pass_)
-    monkeypatch.setattr(pipeline, "whitened_witnesses", whitened_)
+    monkeypatch.setattr(engine_stages, "whitened_witnesses", whitened_)
     return found
 
 
@@ -380,8 +380,8 @@ def test_the_translation_s_rounding_bound_moves_with_a_power_of_two_scaling():
     the head times 2^-600 get the same bound times 2^-600."""
     import torch
 
-    from auditor.engine.normal_form import normal_form
-    from auditor.domain import Unbounded
+    from auditor.engine.arithmetic.normal_form import normal_form
+    from auditor.question.domain import Unbounded
 
     W = np.array([[0.0, 1.0], [2.0**-60, 0.5], [1 + 2.0**-52, 0.25]])
     forms = [normal_form(torch.from_numpy(W * factor), None, Unbounded(), torch.ones(3, dtype=torch.bool))

@@ -5,7 +5,7 @@ own rounding, and reproducing the target to the accuracy the reductions rely on.
 import numpy as np
 import pytest
 
-from auditor.engine.caratheodory import maximum_entropy_weights
+from auditor.engine.exact.pools import maximum_entropy_weights
 
 
 @pytest.mark.parametrize("d, seed", [(128, 0), (384, 1)])
@@ -30,11 +30,12 @@ def test_the_centre_pool_of_the_real_minilm_head_with_mean_initialised_rows_is_f
     import torch
     from conftest import mean_initialised
 
-    from auditor.domain import Unbounded
-    from auditor.engine.caratheodory import centre_pool, lifted_dimension, spread_pool
-    from auditor.engine.head import build_engine_head
-    from auditor.engine.normal_form import normal_form
-    from auditor.engine.ties import duplicate_groups
+    from auditor.question.domain import Unbounded
+    from auditor.engine.exact.caratheodory import lifted_dimension
+    from auditor.engine.exact.pools import centre_pool, spread_pool
+    from auditor.engine.arithmetic.head import build_engine_head
+    from auditor.engine.arithmetic.normal_form import normal_form
+    from auditor.engine.screen.ties import duplicate_groups
 
     W = torch.from_numpy(np.vstack([vocabulary, mean_initialised(vocabulary, 8, np.random.default_rng(31))]))
     representative = duplicate_groups(W, None)
@@ -62,10 +63,10 @@ def test_a_lone_point_s_solve_reaches_the_weights_of_the_head_s_preconditioner(r
     precision alone, and reproduce the point."""
     import torch
 
-    from auditor.domain import Unbounded
-    from auditor.engine import tilt
-    from auditor.engine.head import build_engine_head
-    from auditor.engine.ties import duplicate_groups
+    from auditor.question.domain import Unbounded
+    from auditor.engine.solvers import tilt
+    from auditor.engine.arithmetic.head import build_engine_head
+    from auditor.engine.screen.ties import duplicate_groups
 
     n, d = 4000, 24
     spectrum = np.arange(1, d + 1) ** -0.7
@@ -99,7 +100,7 @@ def test_the_pool_s_shared_start_reaches_the_weights_of_fresh_hessians(distance,
     further out fresh ones take over."""
     import torch
 
-    from auditor.engine.caratheodory import pool_start
+    from auditor.engine.exact.pools import pool_start
 
     rng = np.random.default_rng(7)
     d = 64
@@ -122,12 +123,12 @@ def test_the_pool_s_shared_start_reaches_the_weights_of_fresh_hessians(distance,
 
 
 def test_the_centre_s_weights_move_to_a_row_near_it_in_one_linear_solve():
-    """caratheodory.linear_weights: mu_i (1 + theta . (x_i - c)) with H theta = t - c, mu the centre's
+    """pools.linear_weights: mu_i (1 + theta . (x_i - c)) with H theta = t - c, mu the centre's
     maximum-entropy weights on the pool and H their covariance, is a convex combination reproducing t (checked
     here as a certificate is: non-negative, summing to 1, the residual in float64), for points a short way from
     the centre; None for a point the first-order weights cannot reach (some weight negative), which the
     maximum-entropy weights still reach, and for a point outside the pool's hull."""
-    from auditor.engine.caratheodory import linear_weights, pool_centre
+    from auditor.engine.exact.pools import linear_weights, pool_centre
 
     rng = np.random.default_rng(11)
     d = 64
@@ -165,7 +166,7 @@ def test_the_centre_s_weights_start_the_solve_for_rows_beyond_their_first_order_
     with fewer Hessians formed, where the first-order weights of linear_weights turn negative."""
     import torch
 
-    from auditor.engine.caratheodory import linear_weights, pool_centre
+    from auditor.engine.exact.pools import linear_weights, pool_centre
 
     rng = np.random.default_rng(11)
     d = 256

@@ -1,4 +1,4 @@
-"""The fully corrective minimum-norm rounds (engine/corrective.py): the nearest-point solve against an
+"""The fully corrective minimum-norm rounds (engine/solvers/corrective.py): the nearest-point solve against an
 independent QP (cvxpy), and the stage's verdicts on low-rank heads with crowded boundaries against the plain LP over all
 rows, with every certificate verified."""
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import auditor
-from auditor.engine.corrective import _nearest, corrective_certificates
+from auditor.engine.solvers.corrective import _nearest, corrective_certificates
 from test_low_rank_heads import compared_with_plain_lp, plain_lp
 
 
@@ -91,10 +91,10 @@ def _engine_head(W, b):
     """The engine's view of a head, as pipeline.decide builds it."""
     import torch
 
-    from auditor.domain import Unbounded
-    from auditor.engine.head import build_engine_head
-    from auditor.engine.normal_form import normal_form
-    from auditor.engine.ties import duplicate_groups
+    from auditor.question.domain import Unbounded
+    from auditor.engine.arithmetic.head import build_engine_head
+    from auditor.engine.arithmetic.normal_form import normal_form
+    from auditor.engine.screen.ties import duplicate_groups
 
     weight = torch.as_tensor(W)
     bias = None if b is None else torch.as_tensor(b, dtype=torch.float64)
@@ -108,7 +108,7 @@ def test_a_token_that_wins_only_far_out_gets_its_witness_from_the_rounds():
     """Row 4 is four times row 5 (longer than every other row, so outside their hull) with a bias of -1000:
     it loses near the origin and wins along w_4 far out. The rounds' separating direction has y_b = 0
     there, and the witness is the best point along y_w."""
-    from auditor.engine.certify import check_witnesses
+    from auditor.engine.exact.certify import check_witnesses
     import torch
 
     rng = np.random.default_rng(11)

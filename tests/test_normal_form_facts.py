@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from auditor.domain import Unbounded
-from auditor.engine.head import build_engine_head
-from auditor.engine.normal_form import normal_form
-from auditor.engine.power_of_two import scaled_exactly
-from auditor.engine.ties import duplicate_groups
+from auditor.engine.arithmetic.head import build_engine_head
+from auditor.engine.arithmetic.normal_form import normal_form
+from auditor.engine.arithmetic.power_of_two import scaled_exactly
+from auditor.engine.screen.ties import duplicate_groups
 from auditor.errors import InputError
+from auditor.question.domain import Unbounded
 
 
 def _engine_head(W: torch.Tensor):
@@ -136,7 +136,7 @@ def test_float32_facts_at_the_edges_of_the_range_are_exact_bounds_and_those_the_
 def test_zeros_of_the_input_pass_the_quick_exactness_test_and_an_underflow_to_zero_does_not():
     """A translated head has a zero in every column: zeros scale exactly, so they do not send a block to the
     slow check; a nonzero entry that underflows to zero is a rounding, and fails it."""
-    from auditor.engine.power_of_two import surely_exact
+    from auditor.engine.arithmetic.power_of_two import surely_exact
 
     e = -3
     tiny = float(torch.finfo(torch.float32).tiny)

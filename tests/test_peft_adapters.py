@@ -19,7 +19,7 @@ import auditor
 from auditor.cli.audit import main as audit
 from auditor.errors import InputError
 from auditor.loader import load_head
-from auditor.loader.peft_adapter import split_key
+from auditor.loader.peft_files import split_key
 from test_low_rank_heads import compared_with_plain_lp
 
 VOCAB, ADDED, HIDDEN = 64, 6, 16  # 64 words, then 6 added tokens whose rows are mean-initialised

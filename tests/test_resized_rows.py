@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import auditor
-from auditor.domain import Ball
-from auditor.engine.head import build_engine_head
-from auditor.engine.ties import duplicate_groups
-from auditor.engine.tilt import tilted_certificates
+from auditor.engine.arithmetic.head import build_engine_head
+from auditor.engine.screen.ties import duplicate_groups
+from auditor.engine.solvers.tilt import tilted_certificates
+from auditor.question.domain import Ball
 from oracles import ball_margin, lp_margin, witness_wins
 
 

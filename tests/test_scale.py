@@ -9,7 +9,7 @@ import torch
 from safetensors.numpy import save_file
 
 import auditor
-from auditor.engine.ties import duplicate_groups
+from auditor.engine.screen.ties import duplicate_groups
 from conftest import run_module
 from oracles import lp_margin
 
@@ -91,10 +91,10 @@ def test_newton_leaves_argmaxable_rows_alone(rng):
     """Outside the hull the maximum-entropy problem has no minimiser: the stage must not certify."""
     W = gaussian_head(rng, 300, 5)
     vertices = set(auditor.audit(W, progress=False).ids("argmaxable"))
-    from auditor.engine.head import build_engine_head
-    from auditor.engine.ties import duplicate_groups as groups
-    from auditor.engine.tilt import tilted_certificates
-    from auditor.domain import Unbounded
+    from auditor.engine.arithmetic.head import build_engine_head
+    from auditor.engine.screen.ties import duplicate_groups as groups
+    from auditor.engine.solvers.tilt import tilted_certificates
+    from auditor.question.domain import Unbounded
 
     weight = torch.from_numpy(W)
     head = build_engine_head(weight, None, groups(weight, None), Unbounded(), 1e-10)
@@ -106,9 +106,9 @@ def test_newton_leaves_argmaxable_rows_alone(rng):
 def test_newton_offers_the_direction_its_theta_runs_off_along_as_a_witness(rng, radius):
     """Outside the hull theta runs off along a direction in which the row leads: each vertex gets it as a
     witness (moved into a ball), checked against Qhull and a plain re-check; rows inside get weights."""
-    from auditor.domain import Ball, Unbounded
-    from auditor.engine.head import build_engine_head
-    from auditor.engine.tilt import tilted_certificates
+    from auditor.question.domain import Ball, Unbounded
+    from auditor.engine.arithmetic.head import build_engine_head
+    from auditor.engine.solvers.tilt import tilted_certificates
     from oracles import qhull_argmaxable, witness_wins
 
     W = gaussian_head(rng, 300, 5)

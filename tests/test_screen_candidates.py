@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 import auditor
-from auditor.engine import low_precision
-from auditor.engine import head as head_module
-from auditor.engine import pipeline
-from auditor.engine import screen as screen_module
+from auditor.engine import stages
+from auditor.engine.arithmetic import head as head_module
+from auditor.engine.screen import low_precision
+from auditor.engine.screen import gram as screen_module
+from auditor.engine.screen import whitened
 from oracles import ball_margin, qhull_argmaxable, witness_wins
 
 
@@ -85,9 +86,9 @@ def test_in_a_ball_the_whitened_witnesses_stay_inside_and_match_the_cone_program
 def test_the_bfloat16_whitened_route_proves_what_it_can_and_hands_the_close_calls_to_float64():
     import torch
 
-    from auditor.domain import parse_domain
-    from auditor.engine.certify import check_witnesses_sharpened
-    from auditor.engine.head import build_engine_head
+    from auditor.question.domain import parse_domain
+    from auditor.engine.exact.certify import check_witnesses_sharpened
+    from auditor.engine.arithmetic.head import build_engine_head
 
     rng = np.random.default_rng(11)
     cloud = rng.standard_normal((2000, 48)) * np.linspace(2, 0.5, 48)
@@ -102,7 +103,7 @@ def test_the_bfloat16_whitened_route_proves_what_it_can_and_hands_the_close_call
     won, _, _, lead, allowance = low_precision.bfloat16_witnesses(head, ids, directions, centred)
     close = ~won & (lead > -allowance)
     assert won.sum() >= 10 and close.sum() >= 10  # both routes taken, interleaved among the ids
-    chosen, witnesses, check = screen_module._whitened_in_low_precision(head, ids, directions, centred)
+    chosen, witnesses, check = whitened._whitened_in_low_precision(head, ids, directions, centred)
     assert np.array_equal(chosen, np.nonzero(won | close)[0])
     assert torch.equal(witnesses, directions[torch.as_tensor(chosen)])
     float64 = check_witnesses_sharpened(head, ids[chosen], witnesses)  # the float64 check of every chosen one
@@ -122,7 +123,7 @@ def test_on_a_large_head_the_bfloat16_copy_is_freed_before_the_whitened_witnesse
     monkeypatch.setattr(head_module, "WHITENED_ENTRIES", 0)
     monkeypatch.setattr(head_module, "BFLOAT16_ENTRIES", 0)
     handed, screen = [], screen_module.screen
-    monkeypatch.setattr(pipeline, "screen", lambda *a: handed.append(screen(*a)) or handed[-1])
+    monkeypatch.setattr(stages, "screen", lambda *a: handed.append(screen(*a)) or handed[-1])
     W = long_thin_head(np.random.default_rng(3), n=200)
     n, d = W.shape
     for rows, kept in ((n / d + 0.5, False), (n / d, True)):

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import auditor
-from auditor.domain import Unbounded
-from auditor.engine.caratheodory import reduce_support
-from auditor.engine.head import build_engine_head
-from auditor.engine.ties import duplicate_groups
+from auditor.engine.arithmetic.head import build_engine_head
+from auditor.engine.exact.caratheodory import reduce_support
+from auditor.engine.screen.ties import duplicate_groups
+from auditor.question.domain import Unbounded
 from conftest import mean_initialised
 from oracles import lp_margin, qhull_argmaxable
 
@@ -92,7 +92,7 @@ def test_sparse_certificates_on_a_larger_head_match_the_plain_lp(rng):
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_batched_reductions_keep_each_combination_on_at_most_D_rows(rng, with_bias):
-    from auditor.engine.caratheodory import reduce_supports
+    from auditor.engine.exact.caratheodory import reduce_supports
 
     n, d = 900, 10
     W, b, head = gaussian_head(rng, n, d, with_bias)
@@ -114,12 +114,12 @@ def test_batched_reductions_keep_each_combination_on_at_most_D_rows(rng, with_bi
 
 @pytest.mark.parametrize("m, D", [(90, 30), (200, 60)])  # one panel of null vectors, and three
 def test_the_batched_elimination_takes_the_steps_of_the_single_one(rng, m, D):
-    from auditor.engine.caratheodory import _eliminate_batch, eliminate
+    from auditor.engine.exact.elimination import eliminate, eliminate_batch
 
     points = np.stack([np.hstack([rng.standard_normal((m, D - 1)), np.ones((m, 1))]) for _ in range(5)])
     alpha = rng.random((5, m))
     alpha /= alpha.sum(axis=1, keepdims=True)
-    batched, failed = _eliminate_batch(torch.from_numpy(points), torch.from_numpy(alpha))
+    batched, failed = eliminate_batch(torch.from_numpy(points), torch.from_numpy(alpha))
     assert not failed.any()
     for j in range(5):
         single = eliminate(points[j], alpha[j])
@@ -132,14 +132,14 @@ def test_the_elimination_keeps_the_combination_through_zero_weights_and_tied_rat
     """Weights already at zero (a 0 / 0 in the ratio test where a null vector is 0 there too) and points
     repeated with equal weights (ratios that tie exactly): the weights stay non-negative, on at most D
     points, and reproduce the same combination, with the single elimination and the batched one."""
-    from auditor.engine.caratheodory import _eliminate_batch, eliminate
+    from auditor.engine.exact.elimination import eliminate, eliminate_batch
 
     m, D = 120, 25
     base = np.hstack([rng.integers(-3, 4, size=(m // 2, D - 1)).astype(np.float64), np.ones((m // 2, 1))])
     points = np.vstack([base, base])  # every point twice
     alpha = np.tile(rng.integers(0, 4, size=m // 2).astype(np.float64), 2)  # a quarter at zero, pairs equal
     alpha /= alpha.sum()
-    batched, failed = _eliminate_batch(torch.from_numpy(points[None]), torch.from_numpy(alpha[None]))
+    batched, failed = eliminate_batch(torch.from_numpy(points[None]), torch.from_numpy(alpha[None]))
     assert not failed.any()
     for reduced in (eliminate(points, alpha), batched[0].numpy()):
         assert np.all(reduced >= 0) and np.count_nonzero(reduced) <= D
@@ -151,7 +151,7 @@ def test_a_null_vector_entry_that_is_only_rounding_is_no_pivot(zero):
     """The first null vector of these points has 2.2e-17 where its entry is 0 in exact arithmetic, at a point of
     weight 0 (given as 0.0 or as -0.0): dropped as a pivot, it would make every later correction divide by
     rounding and move the combination by O(1)."""
-    from auditor.engine.caratheodory import eliminate
+    from auditor.engine.exact.elimination import eliminate
 
     points = np.array([[-1.0, 0, 1], [-3, -3, 1], [3, 1, 1], [1, -3, 1], [2, -3, 1], [3, 1, 1]])
     alpha = np.array([1 / 6, 1 / 3, zero, 1 / 6, 1 / 6, 1 / 6])
@@ -165,7 +165,7 @@ def test_a_rounding_entry_is_set_apart_and_a_real_negative_one_at_a_zero_weight_
     """The ratio test on its own: the only +inf ratio is a 1e-17 entry at a zero weight, rounding, so it is set to
     0 and the step goes by the first real ratio; the -2 at the other zero weight is a real direction (that
     weight grows), and stays as it is."""
-    from auditor.engine.caratheodory import _first_to_reach_zero
+    from auditor.engine.exact.elimination import _first_to_reach_zero
 
     alpha = np.array([0.0, 0.5, 0.5, 0.0])
     u = np.array([1e-17, 1.0, 0.5, -2.0])
@@ -176,9 +176,9 @@ def test_a_rounding_entry_is_set_apart_and_a_real_negative_one_at_a_zero_weight_
 
 
 def test_a_second_mean_initialised_row_is_reduced_from_the_first_ones_pool(rng):
-    from auditor.engine.caratheodory import from_pool
-    from auditor.engine.certify import check_convex
-    from auditor.engine.interior import interior_certificates
+    from auditor.engine.exact.pools import from_pool
+    from auditor.engine.exact.certify import check_convex
+    from auditor.engine.solvers.interior import interior_certificates
 
     W = anisotropic(rng, 2000, 16)
     W = torch.from_numpy(np.vstack([W, mean_initialised(W, 2, rng)]))
@@ -194,9 +194,9 @@ def test_a_second_mean_initialised_row_is_reduced_from_the_first_ones_pool(rng):
 
 
 def test_mean_initialised_rows_are_reduced_through_rows_drawn_around_the_centre(rng):
-    from auditor.engine.caratheodory import centre_pool, from_pool, spread_pool
-    from auditor.engine.certify import check_convex
-    from auditor.engine.interior import interior_certificates
+    from auditor.engine.exact.pools import centre_pool, from_pool, spread_pool
+    from auditor.engine.exact.certify import check_convex
+    from auditor.engine.solvers.interior import interior_certificates
 
     W = anisotropic(rng, 3000, 16)
     W = torch.from_numpy(np.vstack([W, mean_initialised(W, 2, rng)]))
@@ -218,7 +218,7 @@ def test_mean_initialised_rows_are_reduced_through_rows_drawn_around_the_centre(
 
 
 def test_the_lu_factors_written_over_a_column_major_matrix_are_torchs(rng):
-    from auditor.engine.caratheodory import lu_in_place
+    from auditor.engine.exact.elimination import lu_in_place
     matrix = rng.standard_normal((30, 12))
     want, pivots, _ = torch.linalg.lu_factor_ex(torch.from_numpy(matrix))
     columns = torch.from_numpy(np.asfortranarray(matrix))
@@ -228,7 +228,7 @@ def test_the_lu_factors_written_over_a_column_major_matrix_are_torchs(rng):
 
 
 def test_the_cholesky_factor_written_over_a_symmetric_matrix_is_its_factor(rng):
-    from auditor.engine.caratheodory import cholesky_in_place
+    from auditor.engine.exact.elimination import cholesky_in_place
     g = rng.standard_normal((40, 25))
     matrix = torch.from_numpy(g.T @ g + np.eye(25))
     matrix = (matrix + matrix.T) / 2  # exactly symmetric
@@ -242,7 +242,7 @@ def test_the_cholesky_factor_written_over_a_symmetric_matrix_is_its_factor(rng):
 
 
 def test_triangular_solves_by_blocks_read_a_strided_triangle_and_match_torchs(rng):
-    from auditor.engine.caratheodory import _solve_by_blocks
+    from auditor.engine.exact.elimination import _solve_by_blocks
     big = torch.from_numpy(rng.standard_normal((300, 200)))
     for upper, unit in ((False, False), (True, True)):
         t = big[:150, :150]  # rows contiguous, a leading dimension of 200: a block of a larger matrix

@@ -14,8 +14,8 @@ import pytest
 import torch
 from report_masks import masked
 
-from auditor.domain import Ball
 from auditor.engine.ceiling.fallback import cvxpy_point
+from auditor.question.domain import Ball
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = "fixtures/resized_demo.safetensors"  # relative to ROOT, as the golden reports name it
@@ -43,7 +43,7 @@ def test_markdown_on_stdout_is_the_report_alone_with_progress_shown():
 
 @pytest.mark.slow
 def test_quiet_stdout_silences_what_native_code_writes_to_descriptor_1():
-    code = ("import os; from auditor._io import quiet_stdout\n"
+    code = ("import os; from auditor.util.io import quiet_stdout\n"
             "with quiet_stdout():\n    os.write(1, b'banner'); print('printed')\n"
             "print('report')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -64,7 +64,7 @@ def test_with_debug_the_solvers_own_lines_go_to_stderr_and_stdout_stays_json(tmp
 
 
 def test_send_solver_output_to_stderr_moves_descriptor_1_inside_the_block_only():
-    code = ("import os; from auditor._io import quiet_stdout, send_solver_output_to_stderr\n"
+    code = ("import os; from auditor.util.io import quiet_stdout, send_solver_output_to_stderr\n"
             "send_solver_output_to_stderr()\n"
             "with quiet_stdout():\n    os.write(1, b'banner')\n"
             "print('report')")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import auditor
-from auditor.engine import head as head_module
-from auditor.engine.screen import screen
+from auditor.engine.arithmetic import head as head_module
+from auditor.engine.screen.gram import screen
 from conftest import assert_same_float64_readings, engine_head
 
 

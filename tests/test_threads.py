@@ -11,7 +11,7 @@ import torch
 
 import auditor
 import auditor.api
-from auditor._threads import resolve_threads
+from auditor.util.threads import resolve_threads
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 SEED = np.array([[1, 2], [2, 1], [1, 0], [0, 1], [1, 1]], dtype=np.float32)

@@ -11,8 +11,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from auditor.cli.audit import main, parse_token_ids
 from auditor.errors import InputError
-from auditor.gate import AllowList
-from auditor.head import Head
+from auditor.findings.gate import AllowList
+from auditor.question.head import Head
 from conftest import run_command
 
 

@@ -11,9 +11,9 @@ import argparse
 import logging
 import sys
 
-from auditor._io import send_solver_output_to_stderr
 from auditor._version import __version__
 from auditor.errors import EXIT_ERROR, AuditorError, InputError
+from auditor.util.io import send_solver_output_to_stderr
 
 # where a final norm is looked for, as the error says when none is found
 _NORM_TENSORS = "model.norm.weight, transformer.ln_f.weight, output_norm.weight, ..."

@@ -14,25 +14,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from auditor import trend
-from auditor._io import check_writable, write_atomically
-from auditor._threads import resolve_threads
 from auditor.api import audit
-from auditor.baseline import Baseline
-from auditor.blocks import AuditJob, audit_in_blocks
-from auditor.certificates import certificates_document
 from auditor.cli import (CommandParser, add_head_options, add_norm_unit_offset_option, add_run_options,
                          checkpoint_final_norm, guarded, nonnegative_int, positive_int, positive_seconds,
                          shows_progress)
-from auditor.distributed import DEFAULT_TIMEOUT_S, Launch, run_on_ranks
-from auditor.domain import Domain, Norm, parse_domain
 from auditor.errors import EXIT_CLEAN, EXIT_FINDINGS, InputError
+from auditor.findings.baseline import Baseline
+from auditor.findings.gate import DEFAULT_FAIL_ON, GATE_CLASSES, AllowList, GateResult, parse_fail_on, run_gate
 from auditor.formats import DOCUMENT_FORMATS, FORMATS
 from auditor.formats.html import render as render_html, require_matplotlib
-from auditor.gate import DEFAULT_FAIL_ON, GATE_CLASSES, AllowList, GateResult, parse_fail_on, run_gate
-from auditor.head import Head
 from auditor.loader import has_own_checkpoint, list_tensors, load_head, trainer_checkpoints
-from auditor.norm import FinalNorm
+from auditor.question.domain import Domain, Norm, parse_domain
+from auditor.question.head import Head
+from auditor.question.norm import FinalNorm
+from auditor.runs import trend
+from auditor.runs.blocks import AuditJob, audit_in_blocks
+from auditor.runs.distributed import DEFAULT_TIMEOUT_S, Launch, run_on_ranks
+from auditor.util.io import check_writable, write_atomically
+from auditor.util.threads import resolve_threads
+from auditor.verdicts.certificates import certificates_document
 
 
 _EPILOG = """\
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "and the watched tokens whose verdict changed); the exit code is the gate's for the "
                              "LATEST checkpoint")
     add_run_options(parser)
-    parser.set_defaults(ranks=None)  # under torchrun: this process's auditor.distributed.Ranks
+    parser.set_defaults(ranks=None)  # under torchrun: this process's auditor.runs.distributed.Ranks
     return parser
 
 
@@ -373,7 +373,7 @@ def _deliver(args: argparse.Namespace, rendered: str, warnings: list[str], certi
 
 def _run_all_checkpoints(args: argparse.Namespace) -> int:
     """--all-checkpoints: each checkpoint-N/ folder of a Trainer's output folder audited alike, in step order, and
-    their trend rendered (auditor/trend.py). Returns the gate's exit code for the latest checkpoint."""
+    their trend rendered (auditor/runs/trend.py). Returns the gate's exit code for the latest checkpoint."""
     if args.shard or args.work_dir is not None or args.ranks is not None or args.certificates is not None:
         raise InputError("--all-checkpoints audits each checkpoint whole, in one process: it takes no --shard, "
                          "--work-dir, --certificates or torchrun (audit one checkpoint-N/ folder for those)")

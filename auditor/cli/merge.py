@@ -1,4 +1,4 @@
-"""The ``audit-merge`` command: one report from the JSON reports of ``audit --shard I/N`` (see auditor/merge.py).
+"""The ``audit-merge`` command: one report from the JSON reports of ``audit --shard I/N`` (see auditor/runs/merge.py).
 
 Exit codes as for ``audit``: 0 clean, 1 failing findings, 2 when the shards do
 not fit together or cannot be read (one line on stderr).
@@ -10,11 +10,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from auditor._io import check_writable, write_atomically
 from auditor.cli import CommandParser, guarded
 from auditor.errors import EXIT_CLEAN, EXIT_FINDINGS
 from auditor.formats import DOCUMENT_FORMATS
-from auditor.merge import merge_reports, read_shard
+from auditor.runs.merge import merge_reports, read_shard
+from auditor.util.io import check_writable, write_atomically
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,13 +19,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from auditor.certificates import Certificates, load_certificates
 from auditor.cli import (CommandParser, add_head_options, add_norm_unit_offset_option, add_run_options,
                          checkpoint_final_norm, guarded, shows_progress)
-from auditor.domain import Norm, parse_domain
 from auditor.errors import EXIT_CLEAN, EXIT_FINDINGS, InputError
-from auditor.factorised import split_factors
 from auditor.loader import load_head
+from auditor.question.domain import Norm, parse_domain
+from auditor.question.factorised import split_factors
+from auditor.verdicts.certificates import Certificates, load_certificates
 from auditor.verify import verify
 
 _EPILOG = """\

@@ -13,15 +13,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from auditor.engine.caratheodory import (centre_pool, eliminate, from_pool, lifted_dimension, lifted_points,
-                                         linear_weights, pool_centre, pool_certificate, pool_start, reduce_supports,
-                                         shared_null_vectors, spread_pool)
-from auditor.engine.dual_simplex import Basis
-from auditor.engine.certify import check_convex, check_witnesses, check_witnesses_sharpened
+from auditor.engine.arithmetic.head import EngineHead
+from auditor.engine.arithmetic.rounding import per_unit_norm, safe_norm
 from auditor.engine.decisions import STAGES, UNDECIDED, Decisions, set_convex, set_witness
-from auditor.engine.head import EngineHead
-from auditor.engine.lp import polish
-from auditor.engine.rounding import per_unit_norm, safe_norm
+from auditor.engine.exact.caratheodory import lifted_dimension, lifted_points, reduce_supports
+from auditor.engine.exact.certify import check_convex, check_witnesses, check_witnesses_sharpened
+from auditor.engine.exact.dual_simplex import Basis
+from auditor.engine.exact.elimination import eliminate
+from auditor.engine.exact.lp import polish
+from auditor.engine.exact.pools import (centre_pool, from_pool, linear_weights, pool_centre, pool_certificate, pool_start, shared_null_vectors, spread_pool)
 
 def settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:
     """Accept Frank-Wolfe witnesses in their final form, and its weights where w_k is inside."""
@@ -137,13 +137,13 @@ class CentreRoutes:
     """Sparse certificates through rows around the centre of the head, tried in turn, cheapest first:
 
     1. the dual simplex from the basis of the centre on the at most 2D rows the
-       centre of the head passes through (dual_simplex.Basis, caratheodory.centre_pool):
+       centre of the head passes through (dual_simplex.Basis, pools.centre_pool):
        a few pivots for a mean-initialised row;
-    2. a basis of 3D rows drawn around the centre (caratheodory.spread_pool), as
+    2. a basis of 3D rows drawn around the centre (pools.spread_pool), as
        much of the centre's basis as they hold, whose hull reaches further;
        each of these two routes with at most max(32, D / 8) pivots (_route_pivots);
     3. for certificates of the interior stage, moving the bulk onto either pool
-       and one or two eliminations (caratheodory.from_pool).
+       and one or two eliminations (pools.from_pool).
 
     The pools are drawn when the routes are made, the bases built at first use (and again after let_go);
     every pool and basis depends on the head alone, and each token's attempts on
@@ -183,8 +183,8 @@ class CentreRoutes:
         """Accepted certificates on at most D rows for tokens near the centre, from their own rows on the centre
         pool, for rows the centre's basis reaches only after many pivots (mean-initialised rows rounded to
         bfloat16 sit tens of times further out than the float32 ones): the centre's weights on the pool moved
-        to the row by one linear solve (caratheodory.linear_weights), or where one of those weights is not
-        positive the row's maximum-entropy weights (caratheodory.pool_certificate: from the centre's weights,
+        to the row by one linear solve (pools.linear_weights), or where one of those weights is not
+        positive the row's maximum-entropy weights (pools.pool_certificate: from the centre's weights,
         stepping with the centre's factor; failing that from uniform weights, whose first steps share one factor
         of the pool's covariance), and one elimination. The pool's points, the centre's weights and
         factor are made once for all of ``ks`` and let go after."""

@@ -2,7 +2,7 @@
 
 Every figure is a ``matplotlib.figure.Figure`` made directly (never pyplot, whose
 global state would leak windows and memory in a long-running process). The
-per-row numbers come from auditor/plot_data.py: nothing here reads the head.
+per-row numbers come from auditor/formats/plot_data.py: nothing here reads the head.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from auditor.explain import id_ranges
-from auditor.plot_data import PlotData
+from auditor.findings.explain import id_ranges
+from auditor.formats.plot_data import PlotData
 
 VERDICT_COLOURS = {"argmaxable": "#4c78a8", "unargmaxable": "#d62728", "tied": "#ff7f0e",
                    "inconclusive": "#9467bd", "low-ceiling": "#8c564b"}

@@ -13,13 +13,13 @@ from pathlib import Path
 
 from auditor._version import __version__
 from auditor.errors import InputError
+from auditor.findings.explain import id_ranges
+from auditor.findings.gate import DEFAULT_FAIL_ON, GateResult
 from auditor.formats._common import (FINDING_ORDER, competitors, evidence, has_token_strings, head_lines,
                                      is_failing, left_out_line, token_label, verdict_counts)
-from auditor.explain import id_ranges
 from auditor.formats._plots import draw_plots
 from auditor.formats.json_format import document
-from auditor.gate import DEFAULT_FAIL_ON, GateResult
-from auditor.plot_data import plot_data
+from auditor.formats.plot_data import plot_data
 
 _ROWS_PER_VERDICT = 2000  # table rows per verdict; the JSON report lists every finding
 

@@ -9,8 +9,8 @@ import json
 import math
 
 from auditor._version import __version__
-from auditor.baseline import vocabulary_fingerprint
-from auditor.gate import GateResult
+from auditor.findings.baseline import vocabulary_fingerprint
+from auditor.findings.gate import GateResult
 
 SCHEMA_VERSION = 1
 

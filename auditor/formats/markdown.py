@@ -5,11 +5,11 @@ from __future__ import annotations
 import html
 import re
 
+from auditor.findings.gate import GateResult
 from auditor.formats import json_format
 from auditor.formats._common import (competitors, dual_bound_legend, evidence, failing_line, fixed_line,
                                      grouped_findings, has_token_strings, head_lines, left_out_line, token_label,
                                      verdict_counts)
-from auditor.gate import GateResult
 
 
 def _cell(text: str) -> str:

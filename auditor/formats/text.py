@@ -6,11 +6,11 @@ import re
 import textwrap
 import unicodedata
 
+from auditor.findings.gate import GateResult
 from auditor.formats import json_format
 from auditor.formats._common import (competitors, dual_bound_legend, evidence, failing_line, fixed_line,
                                      grouped_findings, has_token_strings, head_lines, left_out_line,
                                      token_label, verdict_counts)
-from auditor.gate import GateResult
 
 # the evidence column is as wide as its longest entry within these bounds; a longer explanation wraps
 # onto the following lines of its column, so the competitors stay in line

@@ -14,10 +14,10 @@ import torch
 
 from auditor.api import audit
 from auditor.errors import InputError
-from auditor.findings import DEFAULT_FAIL_ON
-from auditor.gate import AllowList, GateResult, run_gate
-from auditor.head import Head
-from auditor.trend import min_margin
+from auditor.findings.finding import DEFAULT_FAIL_ON
+from auditor.findings.gate import AllowList, GateResult, run_gate
+from auditor.question.head import Head
+from auditor.runs.trend import min_margin
 
 
 def output_head(model, head=None) -> tuple[torch.Tensor, torch.Tensor | None, str, bool]:

@@ -20,16 +20,17 @@ from pathlib import Path
 from tqdm import tqdm
 
 from auditor.errors import InputError
-from auditor.head import FinalNorm, Head
 from auditor.loader import hub
 from auditor.loader.config import read_config
 from auditor.loader.formats import DESCRIPTIONS, WEIGHT_FILES, foreign_format, identify
 from auditor.loader.hub_id import is_hub_id, parse_hub_id
 from auditor.loader.naming import choose_head, is_input_embedding
 from auditor.loader.onnx_head import PADDLE_CHARACTERS, OnnxStore, paddle_characters
-from auditor.loader.peft_adapter import adapter_folder, load_adapter_head, not_an_adapter
+from auditor.loader.peft_adapter import load_adapter_head
+from auditor.loader.peft_files import adapter_folder, not_an_adapter
 from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore, read_index
 from auditor.loader.tokens import base_vocabulary_size, read_token_strings, read_vocabulary
+from auditor.question.head import FinalNorm, Head
 
 _FOLDER_SCAN_LIMIT = 200  # files whose first bytes are read when a folder has no checkpoint: stays quick
 _OPENERS = {

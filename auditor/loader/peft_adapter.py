@@ -2,7 +2,7 @@
 
 An adapter folder (adapter_config.json and adapter_model.safetensors or adapter_model.bin, as peft's
 save_pretrained writes them) holds only what training changed. The head is built here from those files
-alone (peft and transformers are never imported), as peft's own model computes it:
+alone (read by peft_files.py; peft and transformers are never imported), as peft's own model computes it:
 
 - a full copy of the head (``modules_to_save=["lm_head"]``, or the embeddings peft saves with a resized
   vocabulary): that copy is the head;
@@ -25,46 +25,30 @@ fetched: a base model may be large, and the adapter did not ask for it).
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from auditor.errors import InputError
-from auditor.head import Head
 from auditor.loader import hub
-from auditor.loader.formats import ADAPTER_CONFIG, ADAPTER_WEIGHTS, WEIGHT_FILES, identify
+from auditor.loader.formats import ADAPTER_CONFIG
 from auditor.loader.hub_errors import import_hub, one_line_errors
 from auditor.loader.hub_files import CachedFiles
 from auditor.loader.hub_id import hub_id, is_hub_id, parse_hub_id
 from auditor.loader.naming import candidate_names, is_input_embedding
-from auditor.loader.stores import SafetensorsStore, TorchStore
-from auditor.loader.tokens import base_vocabulary_size, read_token_strings, read_vocabulary
+from auditor.loader.peft_files import LORA_LINEAR, AdapterFiles, AdapterModule, adapter_folder
+from auditor.question.head import Head
 
 
-_PREFIX = "base_model.model."  # peft's PeftModel -> LoraModel (or other tuner) -> the base model
-_WRAPPERS = {"base_layer", "token_adapter", "original_module"}  # peft's wrapping modules, not the model's own
-_LORA_LINEAR = ("lora_A", "lora_B")
 _CACHE_ONLY = "an adapter's base model is read from the cache, never fetched"
 
 # The loader's load_head, passed in (the loader package imports this module) to read the base model as the
 # audit's own PATH is read: load_head(source, store=None, **settings).
 ReadHead = Callable[..., Head]
-
-
-def adapter_folder(path: Path) -> Path | None:
-    """The PEFT adapter folder that ``path`` is (a folder with adapter_config.json and no model checkpoint of
-    its own), or whose adapter_model.safetensors / .bin file it is; None for any other path."""
-    path = Path(path)
-    if path.is_file() and path.name in ADAPTER_WEIGHTS:
-        path = path.parent
-    if not path.is_dir() or not (path / ADAPTER_CONFIG).is_file():
-        return None
-    return None if any((path / name).is_file() for name in WEIGHT_FILES) else path
 
 
 def load_adapter_head(folder: Path, base: str | Path | None, load_head: ReadHead,
@@ -83,94 +67,8 @@ def load_adapter_head(folder: Path, base: str | Path | None, load_head: ReadHead
     return head
 
 
-def not_an_adapter(path, base) -> InputError:
-    """The error for --base given with a PATH that is no adapter folder."""
-    return InputError(f"--base {base}: {path} is not a PEFT adapter folder (with {ADAPTER_CONFIG}), and only an "
-                      f"adapter has a base model; audit the base model by its own path")
-
-
-@dataclass
-class _Module:
-    """What the adapter's saved state holds for one module of the base model: its keys by part (``weight``,
-    ``bias``, ``lora_A``, ``lora_B``, ``lora_embedding_A``, ``delta`` for trainable tokens, or another method's
-    own parameter name)."""
-
-    name: str
-    parts: dict[str, str] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        if "delta" in self.parts:
-            return "trainable tokens"
-        if set(self.parts) & {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"}:
-            return "LoRA"
-        if set(self.parts) <= {"weight", "bias"}:
-            return "a full copy"
-        return ", ".join(sorted(self.parts))
-
-
-def split_key(key: str) -> tuple[str, str]:
-    """An adapter state key -> (the base model's module it belongs to, the part). peft's wrappers are left
-    out: ``base_model.model.lm_head.modules_to_save.default.weight`` (older peft), ``...lm_head.weight`` and
-    ``...lm_head.base_layer.weight`` are all ("lm_head", "weight"), and
-    ``...embed_tokens.token_adapter.trainable_tokens_delta`` is ("model.embed_tokens", "delta")."""
-    names = key.removeprefix(_PREFIX).split(".")
-    kept, i = [], 0
-    while i < len(names):
-        if names[i] == "modules_to_save":  # followed by the adapter's name, unless peft removed it
-            i += 2 if i + 2 < len(names) else 1
-            continue
-        if names[i] not in _WRAPPERS:
-            kept.append(names[i])
-        i += 1
-    if not kept:
-        return "", key
-    if kept[-1] == "trainable_tokens_delta":
-        return ".".join(kept[:-1]), "delta"
-    if len(kept) >= 2 and kept[-2] in (*_LORA_LINEAR, "lora_magnitude_vector"):
-        part = kept[-2] if kept[-1] == "weight" else f"{kept[-2]}.{kept[-1]}"
-        return ".".join(kept[:-2]), part
-    return ".".join(kept[:-1]), kept[-1]
-
-
-@dataclass
-class _Adapter:
-    folder: Path
-    config: dict
-    store: object  # the adapter file's tensors: a SafetensorsStore or TorchStore
-    modules: dict[str, _Module]
-
-    @classmethod
-    def read(cls, folder: Path) -> _Adapter:
-        config_path = folder / ADAPTER_CONFIG
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as error:
-            raise InputError(f"{config_path}: not a readable adapter config ({error})") from None
-        if not isinstance(config, dict):
-            raise InputError(f"{config_path}: not a readable adapter config (not a JSON object)")
-        weights = next((folder / name for name in ADAPTER_WEIGHTS if (folder / name).is_file()), None)
-        if weights is None:
-            raise InputError(f"{folder}: a PEFT adapter folder ({ADAPTER_CONFIG}) without its weights "
-                             f"({' or '.join(ADAPTER_WEIGHTS)})")
-        kind = identify(weights)
-        if kind == "safetensors":
-            store = SafetensorsStore.from_file(weights)
-        elif kind in ("torch-zip", "pickle"):
-            store = TorchStore.from_file(weights)
-        else:
-            raise InputError(f"{weights}: adapter weights must be safetensors or a PyTorch state dict")
-        modules: dict[str, _Module] = {}
-        for key in store.tensors():
-            module, part = split_key(key)
-            modules.setdefault(module, _Module(module)).parts[part] = key
-        return cls(folder, config, store, modules)
-
-    @property
-    def method(self) -> str:
-        return str(self.config.get("peft_type") or "unknown type")
-
-    def tensor(self, module: _Module, part: str) -> torch.Tensor:
-        return torch.as_tensor(self.store.get(module.parts[part]))
+class _Adapter(AdapterFiles):
+    """An adapter read from its folder, as it changes its base model's head."""
 
     def refuse(self, what: str) -> InputError:
         return InputError(f"{self.folder}: {what}; merge the adapter with peft (merge_and_unload), save the merged "
@@ -198,7 +96,7 @@ class _Adapter:
         if tied_embedding is not None:
             self._check_tied_embedding(tied_embedding, head_module)
         if head_module is not None:
-            unknown = sorted(set(head_module.parts) - {"weight", "bias", *_LORA_LINEAR, "delta"})
+            unknown = sorted(set(head_module.parts) - {"weight", "bias", *LORA_LINEAR, "delta"})
             if unknown:
                 method = "DoRA" if any(p.startswith("lora_magnitude_vector") for p in unknown) else ", ".join(unknown)
                 raise self.refuse(f"the adapter changes the head {head_module.name} by {method}, which the auditor "
@@ -233,7 +131,7 @@ class _Adapter:
         return replace(base, weight=weight, bias=bias, weight_name=weight_name, bias_name=bias_name, tied=tied,
                        final_norm=norm, path=self.folder, source_format="peft adapter", notes=[*base.notes, note])
 
-    def _full_copy(self, module: _Module, base_weight: torch.Tensor) -> torch.Tensor:
+    def _full_copy(self, module: AdapterModule, base_weight: torch.Tensor) -> torch.Tensor:
         weight = self.tensor(module, "weight")
         if weight.ndim != 2 or weight.shape[1] != base_weight.shape[1]:
             raise InputError(f"{self.folder}: the adapter's {module.name} has shape {list(weight.shape)}, but the base "
@@ -241,7 +139,7 @@ class _Adapter:
                              f"it was trained on?")
         return weight
 
-    def _copy_note(self, module: _Module, weight: torch.Tensor, base: Head) -> str:
+    def _copy_note(self, module: AdapterModule, weight: torch.Tensor, base: Head) -> str:
         """What the note says of a saved copy of the head; "" for the base layer peft saves beside a LoRA on the
         head when it is the base's own."""
         same = weight.shape == base.shape and torch.equal(weight, torch.as_tensor(base.weight))
@@ -250,12 +148,12 @@ class _Adapter:
         what = f"the head is the adapter's own copy of {module.name} ({weight.shape[0]} rows)"
         return what + (", the same as the base model's" if same else "")
 
-    def _ties(self, weight: torch.Tensor, embeddings: list[_Module]) -> bool:
+    def _ties(self, weight: torch.Tensor, embeddings: list[AdapterModule]) -> bool:
         """Whether the adapter's head copy is also its input embedding copy (peft's ensure_weight_tying)."""
         copies = [self.tensor(m, "weight") for m in embeddings if "weight" in m.parts]
         return any(copy.shape == weight.shape and torch.equal(copy, weight) for copy in copies)
 
-    def _check_tied_embedding(self, embedding: _Module, head_module: _Module | None) -> None:
+    def _check_tied_embedding(self, embedding: AdapterModule, head_module: AdapterModule | None) -> None:
         """Refuse what changes a tied head one way in peft's forward pass and another when merged."""
         if {"lora_embedding_A", "lora_embedding_B"} & set(embedding.parts):
             raise self.refuse(f"the adapter puts LoRA on the input embedding {embedding.name}, which the base's head "
@@ -272,7 +170,7 @@ class _Adapter:
                 raise self.refuse(f"the adapter trains different tokens of the tied {head_module.name} and "
                                   f"{embedding.name}: peft's forward pass and merge_and_unload give different heads")
 
-    def _merge_lora(self, module: _Module, weight: torch.Tensor) -> tuple[torch.Tensor, str]:
+    def _merge_lora(self, module: AdapterModule, weight: torch.Tensor) -> tuple[torch.Tensor, str]:
         """W + (B @ A) * scaling, in the order and the dtypes of peft's merge (half-precision factors are
         multiplied in float32 on the CPU, then rounded back)."""
         if not {"lora_A", "lora_B"} <= set(module.parts) or "lora_B.bias" in module.parts:
@@ -298,7 +196,7 @@ class _Adapter:
         rule = f"lora_alpha / sqrt(r) = {alpha:g} / sqrt({r})" if rslora else f"lora_alpha / r = {alpha:g} / {r}"
         return merged, f"its LoRA on {module.name} is merged into the head (scaling {rule} = {scaling:g})"
 
-    def _replace_rows(self, module: _Module, weight: torch.Tensor, through_tie: bool) -> tuple[torch.Tensor, str]:
+    def _replace_rows(self, module: AdapterModule, weight: torch.Tensor, through_tie: bool) -> tuple[torch.Tensor, str]:
         ids = self._token_ids(module)
         rows = self.tensor(module, "delta")
         n, d = weight.shape
@@ -317,21 +215,6 @@ class _Adapter:
         rows_are = f"row {ids[0]} is" if len(set(ids)) == 1 else f"rows {_ids_text(ids)} are"
         return replaced, f"{rows_are} the adapter's trainable tokens ({where})"
 
-    def _token_ids(self, module: _Module) -> list[int]:
-        """The ids of the trainable tokens saved for ``module``: token_indices (TrainableTokensConfig), or
-        trainable_token_indices, a list (for the input embedding) or a dict by module name."""
-        if self.config.get("peft_type") == "TRAINABLE_TOKENS":
-            ids = self.config.get("token_indices")
-        else:
-            ids = self.config.get("trainable_token_indices")
-            if isinstance(ids, dict):
-                found = [v for k, v in ids.items() if module.name == k or module.name.endswith(f".{k}")]
-                ids = found[0] if len(found) == 1 else None
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-            raise InputError(f"{self.folder / ADAPTER_CONFIG}: the adapter saves trainable tokens of {module.name}, "
-                             f"but lists no token ids for them (token_indices or trainable_token_indices)")
-        return ids
-
     def _final_norm(self, base: Head):
         """The base's final norm, or the adapter's copy of it (modules_to_save)."""
         norm = base.final_norm
@@ -349,11 +232,11 @@ class _Adapter:
 
     # --- notes ------------------------------------------------------------------------------------------------
 
-    def _other_changes(self, *applied: _Module | None) -> str:
+    def _other_changes(self, *applied: AdapterModule | None) -> str:
         others = [m for m in self.modules.values() if m not in applied]
         return f" (its other parts are not the head's: {_modules_text(others)})" if others else ""
 
-    def _unchanged_note(self, base: Head, embeddings: list[_Module]) -> str:
+    def _unchanged_note(self, base: Head, embeddings: list[AdapterModule]) -> str:
         holds = _modules_text(list(self.modules.values())) or "no tensors"
         note = (f"PEFT adapter ({self.method}) over the base model {base.path}: it does not change the output head "
                 f"(it holds {holds}), so the base model's head is audited as it is")
@@ -366,32 +249,6 @@ class _Adapter:
             note += "; its own copy of the input embedding is not the head: peft's model keeps the base's tied head"
         return note
 
-    # --- token strings ----------------------------------------------------------------------------------------
-
-    def name_tokens(self, head: Head, vocabulary: tuple[Path, int] | None) -> None:
-        """A --vocab file's strings, else the adapter folder's tokenizer's, else the base's (already on
-        ``head``); the base's notes about its token strings go when they are replaced."""
-        rows = head.shape[0]
-        strings = None
-        notes: list[str] = []
-        if vocabulary is not None:
-            strings, note = read_vocabulary(*vocabulary, rows)
-            head.token_source = str(vocabulary[0])
-            head.vocab_file, head.vocab_offset = vocabulary
-            notes.append(note)
-        elif (self.folder / "tokenizer.json").is_file() or (self.folder / "vocab.txt").is_file():
-            strings, source = read_token_strings(self.folder, notes)
-            if strings is not None:
-                head.token_source, head.base_vocab = source, base_vocabulary_size(self.folder)
-        # every note the loader writes about token strings says "token string"
-        kept = [n for n in head.notes if "token string" not in n] if strings is not None else list(head.notes)
-        kept = [n for n in kept if not (n.startswith("rows ") and "have no token string" in n)]
-        if strings is not None:
-            head.tokens = strings
-        head.notes = kept + notes
-        if head.tokens is not None and len(head.tokens) < rows:
-            head.notes.append(f"rows {len(head.tokens)}..{rows - 1} have no token string "
-                              f"(the tokenizer has {len(head.tokens)} tokens)")
 
 
 def _role(module: str, base: Head) -> str | None:
@@ -428,7 +285,7 @@ def _ids_text(ids: list[int], most: int = 12) -> str:
     return text
 
 
-def _modules_text(modules: list[_Module]) -> str:
+def _modules_text(modules: list[AdapterModule]) -> str:
     """``LoRA on q_proj, v_proj; a full copy of model.norm``: what the adapter holds, by kind, with
     repeated layers' modules named once by their last name."""
     by_kind: dict[str, list[str]] = {}

@@ -47,15 +47,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from auditor._arrays import as_float64
-from auditor.certificates import Certificates, parse_certificates
-from auditor.domain import Ball, Unbounded
 from auditor.errors import InputError
+from auditor.question.domain import Ball, Unbounded
+from auditor.util.arrays import as_float64
+from auditor.verdicts.certificates import Certificates, parse_certificates
 from auditor.verify.arithmetic import ETA, U, dual_at_most_exactly, exactly, gamma, safe_norm
 from auditor.verify.numbers import convex_claims, lead_threshold, margin_claim, normalise, probability_claims
 
 if TYPE_CHECKING:  # the checker uses no engine code; a report is only read through its certificates
-    from auditor.report import AuditReport
+    from auditor.verdicts.report import AuditReport
 
 
 @dataclass

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from auditor.domain import Ball
+from auditor.question.domain import Ball
 
 U = float(np.finfo(np.float64).eps) / 2  # 2^-53: the unit roundoff of p = 53 significant bits is 2^-p
 ETA = float(np.finfo(np.float64).smallest_subnormal)  # 2^-1074

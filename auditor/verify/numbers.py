@@ -15,7 +15,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from auditor.domain import Ball, Unbounded
+from auditor.question.domain import Ball, Unbounded
 from auditor.verify.arithmetic import ETA, U, dual_at_most_exactly, exactly, gamma, safe_norm
 
 EXACT_RIVALS = 64  # most rivals per witness whose lead is compared with a stated margin in rational arithmetic

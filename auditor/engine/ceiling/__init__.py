@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from auditor.domain import Ball, Box, Domain
 from auditor.engine.ceiling.bounds import (FLOAT32_REACH, Float32Certifier, Scale, certify_float64,
                                            float64_run)
 from auditor.engine.ceiling.fallback import cvxpy_point
 from auditor.engine.ceiling.objective import Buffers, Steering, steering_dtype
 from auditor.engine.ceiling.search import solve_batch, spg, steering_run
 from auditor.engine.ceiling.start import GaussianModel
+from auditor.question.domain import Ball, Box, Domain
 
 _BLOCK_BUDGET = 1 << 25  # float64 entries per token x vocabulary block
 _EXACT_LIMIT = 64  # tokens at most given the interior-point solve

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from auditor.engine.arithmetic.rounding import SMALLEST_NORMAL_32, UNIT_ROUNDOFF_32, gamma, ieee_float32_products, safe_norm
+from auditor.engine.arithmetic.row_statistics import robust_row_norms
 from auditor.engine.ceiling.objective import (Buffers, dual, evaluate, probability, probability_above,
                                               probability_below)
-from auditor.engine.head import robust_row_norms
-from auditor.engine.rounding import SMALLEST_NORMAL_32, UNIT_ROUNDOFF_32, gamma, ieee_float32_products, safe_norm
 
 FLOAT32_REACH = 0.7  # tokens whose float32 allowance alone takes more of the gap go on in float64
 _CHUNK = 256  # rivals per float32 sum: gamma_260 ~ 1.5e-5

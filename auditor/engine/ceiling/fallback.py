@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from auditor._io import quiet_stdout
-from auditor.domain import Ball
+from auditor.question.domain import Ball
+from auditor.util.io import quiet_stdout
 
 
 def cvxpy_point(weight, bias, k: int, domain) -> torch.Tensor | None:

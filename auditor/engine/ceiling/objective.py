@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from auditor.domain import Domain
-from auditor.engine.rounding import UNIT_ROUNDOFF
+from auditor.engine.arithmetic.rounding import UNIT_ROUNDOFF
+from auditor.question.domain import Domain
 
 
 def dual(domain: Domain, value: torch.Tensor, gradient: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from auditor.domain import Domain
+from auditor.question.domain import Domain
 
 
 class GaussianModel:

@@ -1,0 +1,235 @@
+"""Constraint generation for the LP stage: each token's margin program grown round by round, then over every row.
+
+The program over a set A of rival rows (lp.py's MarginProgram) bounds the optimum over all rows from
+above. If it is not positive, the dual multipliers of the rival constraints are convex weights over A
+(their sum is 1 because t is free), and they certify k over the whole vocabulary. If it is positive,
+the optimal z is checked against every row; the rows it loses to join A and the program is solved
+again: a few small programs usually cost far less than one over all rows (the spec gives the
+measurements).
+
+Constraint generation can stall on crowded boundaries, where each round finds a few new rivals and the
+program grows slowly. So a token gets at most ``rounds`` rounds, and fewer once its rivals are a
+quarter of the head; then every row is added to the program at once, which makes its next solve the
+plain LP over all rows, started from the basis the rounds reached. The stage therefore decides every
+token the plain LP decides, up to the float64 checks that every answer goes through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from auditor.engine.arithmetic.head import EngineHead
+from auditor.engine.exact.lp import LpOutcome, MarginProgram, polish, try_witness
+
+
+_EXACT_ROWS = 16  # supports up to which the residual is formed exactly
+
+
+_EXACT_ENTRIES = 1 << 12  # and their rows' entries
+
+
+_EXACT_BELOW = 1e-6  # residuals shorter than this fraction of the rows' entries: their direction is uncertain
+
+
+def _residual(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray, w_k: np.ndarray) -> np.ndarray:
+    """The normal of the nearest face found, w_k - sum_i alpha_i w_i, as a direction to try as a witness.
+
+    At a token that leads by a few times the tolerance this residual is ~1e-10 of the rows, and weights
+    and sums in float64 leave its direction uncertain by ~1e-6: more than the lead. On a small support of
+    affinely independent rows it is w_k minus its projection onto their affine hull, solved in rational
+    arithmetic (from the rows as given when the normal form rounded them: the translation moves no
+    difference of rows), so the one rounding left is the final one."""
+    rows64 = head.rows(indices)
+    approximate = w_k - weights @ rows64
+    support = indices[weights > 0]
+    small = float(np.linalg.norm(approximate)) <= _EXACT_BELOW * float(np.abs(rows64).max(initial=np.abs(w_k).max()))
+    if not small or not 0 < support.size <= min(_EXACT_ROWS, head.d) or support.size * head.d > _EXACT_ENTRIES:
+        return approximate  # a residual this long has a direction float64 gets right, or too many rows
+    from fractions import Fraction
+
+    if head.exact_source is not None:
+        rows = head.exact_source[0]
+        picked = rows.index_select(0, torch.as_tensor(np.append(support, k), device=rows.device)).to(torch.float64)
+    else:  # the head's own rows, exact in float64 (the stored rows times their power of two)
+        picked = head.rows64(np.append(support, k))
+    exact = [[Fraction(float(v)) for v in row] for row in picked.cpu().numpy()]
+    target = exact[-1]
+    offsets = [[v - t for v, t in zip(row, target)] for row in exact[:-1]]  # w_i - w_k
+    # the least ||sum beta_i (w_i - w_k)|| with sum beta_i = 1: [G 1; 1^T 0] [beta; mu] = [0; 1]
+    m = len(offsets)
+    system = [[sum(a * b for a, b in zip(offsets[i], offsets[j])) for j in range(m)] + [Fraction(1), Fraction(0)]
+              for i in range(m)]
+    system.append([Fraction(1)] * m + [Fraction(0), Fraction(1)])
+    beta = _solve_exactly(system)
+    if beta is None:  # affinely dependent rows
+        return approximate
+    return np.array([float(-sum(b * row[j] for b, row in zip(beta[:m], offsets))) for j in range(head.d)])
+
+
+def _solve_exactly(augmented: list) -> list | None:
+    """Gauss-Jordan elimination in rational arithmetic on an augmented square system; None when singular."""
+    size = len(augmented)
+    for col in range(size):
+        pivot = next((r for r in range(col, size) if augmented[r][col] != 0), None)
+        if pivot is None:
+            return None
+        augmented[col], augmented[pivot] = augmented[pivot], augmented[col]
+        lead = augmented[col][col]
+        augmented[col] = [v / lead for v in augmented[col]]
+        for r in range(size):
+            if r != col and augmented[r][col] != 0:
+                factor = augmented[r][col]
+                augmented[r] = [a - factor * b for a, b in zip(augmented[r], augmented[col])]
+    return [row[-1] for row in augmented]
+
+
+@dataclass
+class LpSearch:
+    """One token's constraint generation: its program, the rivals so far and the best found."""
+
+    k: int
+    program: MarginProgram
+    add: int  # rivals added per round
+    outcome: LpOutcome
+    rounds: int = 0  # rounds run so far
+    open: bool = True  # False once decided, or once no round can change the answer (no new rival, solver failure)
+    complete: bool = False  # the program holds every competitor: it is the plain LP over all rows
+
+    @property
+    def rivals(self) -> np.ndarray:
+        return self.program.rivals
+
+
+def start_search(head: EngineHead, k: int, seed_rivals: np.ndarray, add_per_round: int | None = None) -> LpSearch:
+    """Token k's search, its first rivals from ``seed_rivals`` (the most threatening rows when there are none)."""
+    add = add_per_round or max(32, head.d // 2)
+    rivals = np.unique(seed_rivals[(seed_rivals != k) & (seed_rivals >= 0)])
+    rivals = rivals[head.representative[rivals] == rivals]
+    if rivals.size == 0:
+        rivals = _top_rivals(head, k, head.rows([k])[0] - head.centre.cpu().numpy(), set(), add)
+    program = MarginProgram(head, k)
+    program.add(rivals)
+    return LpSearch(k, program, add, LpOutcome())
+
+
+def _every_rival(head: EngineHead, k: int) -> np.ndarray:
+    competitors = np.flatnonzero(head.competitor.cpu().numpy())
+    return competitors[competitors != k]
+
+
+def run_rounds(head: EngineHead, search: LpSearch, rounds: int) -> int:
+    """Run up to ``rounds`` rounds of token k's constraint generation; returns the rounds used."""
+    k, outcome = search.k, search.outcome
+    w_k = search.program.w_k
+    used = 0
+    while used < rounds and search.open:
+        used += 1
+        search.rounds += 1
+        solved = search.program.solve()
+        if solved is None:
+            search.open = False
+            break
+        t, z, s, alpha = solved
+        if head.bias is not None and not head.domain.bounded and s > 0:
+            z = z / s
+        # z is the program's point; with s = 0 (or nearly) it is a direction along which k wins far out,
+        # and try_witness finds the scale along it where the lead is largest
+        if try_witness(head, k, z, outcome):
+            search.open = False
+            break
+        # The duals certify k only when the optimum over the rivals is (about) zero or below; well above
+        # it they are no certificate, and the rivals that beat z are what the next round needs.
+        if alpha.sum() > 0 and t <= _CLOSE * max(head.typical_spread, np.finfo(np.float64).tiny):
+            indices, weights, convex = polish(head, k, search.rivals, alpha)
+            if convex.accepted or convex.residual < outcome.residual:
+                outcome.indices, outcome.weights = indices, weights
+                outcome.residual, outcome.bias_gap = convex.residual, convex.bias_gap
+            if convex.accepted:
+                outcome.verdict = "unargmaxable"
+                search.open = False
+                break
+            # The polished weights' residual w_k - sum alpha_i w_i is the normal of the nearest
+            # face found so far: an exact direction where the solver's z is only accurate to its tolerance.
+            if try_witness(head, k, _residual(head, k, indices, weights, w_k), outcome):
+                search.open = False
+                break
+        if search.complete:  # the plain LP over all rows has answered: nothing is left to add
+            search.open = False
+            break
+        new = _top_rivals(head, k, z, set(search.rivals.tolist()), search.add)
+        if new.size == 0:  # the program already holds every row that beats its optimum: no round can add one
+            search.open = False
+            break
+        search.program.add(new)
+    return used
+
+
+def complete(head: EngineHead, search: LpSearch) -> None:
+    """Add every competitor row to the token's program (warm: the basis of the rounds so far stays), so
+    that its next solve is the plain LP over all rows."""
+    search.program.add(_every_rival(head, search.k))
+    search.complete = True
+    search.open = search.outcome.verdict is None
+
+
+def lp_decide(head: EngineHead, k: int, seed_rivals: np.ndarray, max_rounds: int = 30,
+              add_per_round: int | None = None) -> LpOutcome:
+    """Decide token k: at most ``max_rounds`` rounds of constraint generation from ``seed_rivals``, then,
+    when they have not decided it, the program over all rows."""
+    search = start_search(head, k, seed_rivals, add_per_round)
+    run_rounds(head, search, max_rounds)
+    if search.outcome.verdict is None and max_rounds > 0:
+        complete(head, search)
+        run_rounds(head, search, 1)
+    return search.outcome
+
+
+def lp_decide_all(head: EngineHead, tokens: list[int], seeds: dict[int, np.ndarray], rounds: int,
+                  done=None) -> dict[int, LpOutcome]:
+    """Decide ``tokens`` one after another (``lp_decide``); ``done(k)`` is called as each token leaves.
+
+    Constraint generation stops after ``rounds`` rounds, or sooner once its rivals are a quarter
+    of the head (``_LARGEST_SHARE``: the rounds would then cost more than the plain LP); a token still
+    open then gets the program over all rows, started from the basis its rounds reached. So the
+    stage decides every token the plain LP decides (up to the float64 checks), at a bounded
+    multiple of its cost. ``rounds`` = 0 skips the stage."""
+    outcomes = {}
+    for k in tokens:
+        if rounds <= 0:
+            outcomes[k] = LpOutcome()
+        else:
+            search = start_search(head, k, seeds[k])
+            while search.open and search.rounds < rounds and search.rivals.size < _LARGEST_SHARE * head.n_competitors:
+                run_rounds(head, search, 1)
+            if search.outcome.verdict is None and not search.complete:  # stalled, stopped or failed
+                complete(head, search)
+                run_rounds(head, search, 1)
+            outcomes[k] = search.outcome
+            search.program = None  # the solver's memory goes with it
+        if done is not None:
+            done(k)
+    return outcomes
+
+
+_LARGEST_SHARE = 0.25
+
+
+_CLOSE = 1e-6  # optima below this fraction of the rows' typical spread get their duals polished  # constraint generation stops when its rivals reach this share of the head
+
+
+def _top_rivals(head: EngineHead, k: int, z: np.ndarray, exclude: set, count: int) -> np.ndarray:
+    """The ``count`` rows with the largest logits at z, among competitors not in ``exclude``."""
+    logits = head.logits(torch.as_tensor(z, device=head.device)[None, :])[0]
+    if head.bias is not None:
+        logits = logits + head.bias
+    if head.row_mask is not None:
+        logits = logits + head.row_mask
+    logits[k] = -torch.inf
+    if exclude:
+        logits[torch.as_tensor(sorted(exclude), device=head.device)] = -torch.inf
+    top = torch.topk(logits, min(count, head.n)).indices
+    top = top[torch.isfinite(logits[top])]
+    return np.sort(top.cpu().numpy())

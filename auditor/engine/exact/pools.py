@@ -1,0 +1,350 @@
+"""Pools of rows around a point, and certificates on them: a few rows instead of a reduction over the head.
+
+A certificate near the centre of a head (mean-initialised rows) can move most of its mass onto a pool
+of at most 3D rows whose hull surrounds that point, as the maximum-entropy combination that reproduces
+it (weights all positive, found by Newton's method on F(theta) = log sum exp(theta . (x_i - target))),
+and then needs one elimination (elimination.py) instead of a full reduction (caratheodory.py). The
+pools depend on the head alone, so a token's certificate never depends on the tokens decided with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from auditor.engine.arithmetic.head import EngineHead
+from auditor.engine.exact.caratheodory import lifted_dimension, lifted_points, Pool, reduce_support
+from auditor.engine.exact.elimination import null_vectors, cholesky_in_place, eliminate
+
+
+_EPS = float(np.finfo(np.float64).eps)
+
+
+def spread_pool(head: EngineHead, seed: int = 0) -> Pool | None:
+    """A pool of 3D rows drawn at random (a fixed seed) from the competitors: their hull holds a region
+    around the centre of the head (by Wendel's theorem m points drawn symmetrically about a point in d
+    dimensions miss it with the probability that m - 1 fair coins show fewer than d heads: about 1/2 at
+    m = 2d, and below 10^-20 at m = 3d for d >= 300), so a certificate near the centre can use
+    ``from_pool`` instead of a full reduction. A function of the head alone, so that a token's
+    certificate does not depend on which other tokens are decided with it. None when there are too
+    few rows."""
+    dim = lifted_dimension(head)
+    rows = torch.nonzero(head.competitor).flatten().cpu().numpy()
+    if rows.size <= 3 * dim:
+        return None
+    chosen = np.sort(np.random.default_rng(seed).choice(rows, size=3 * dim, replace=False))
+    return Pool(chosen, lifted_points(head, chosen))
+
+
+def centre_pool(head: EngineHead, spread: Pool) -> tuple[Pool, np.ndarray] | None:
+    """At most 2D rows around the centre of the head: those the uniform weights on the competitors pass
+    through when moved onto ``spread`` and reduced (from_pool's merge round), and the at most D of them
+    the reduced weights use (a basis for the centre: dual_simplex.Basis). Mean-initialised rows sit so
+    near the centre that this smaller pool surrounds them too, and, like ``spread``, it depends on the
+    head alone. None when the spread pool does not surround the centre. The spread pool's points are spent
+    by the solve (its ``lifted`` gathers them again)."""
+    rows = torch.nonzero(head.competitor).flatten().cpu().numpy()
+    centre = head.centre.cpu().numpy()  # the uniform weights' combination, found with the head
+    if head.bias is not None:
+        centre = np.append(centre, float(head.bias[head.competitor].mean()))
+    narrowed: list[Pool] = []
+    found = from_pool(head, spread, -1, rows, np.full(rows.size, 1.0 / rows.size), narrowed=narrowed, total=centre,
+                      spend=True)
+    return (narrowed[0], found[0]) if found is not None and narrowed else None
+
+
+def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights: np.ndarray,
+              heaviest: int = 8, narrowed: list[Pool] | None = None, total: np.ndarray | None = None,
+              spend: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    """Reduce token k's certificate, whose bulk lies near a pool of rows, without a full reduction.
+
+    The certificate's ``heaviest`` rows keep their weights; the rest of its mass
+    is moved onto the pool's rows as the maximum-entropy combination that
+    reproduces the rest's point (all weights positive when that point is inside
+    the pool's hull), and the union, at most 2D + ``heaviest`` rows, is reduced
+    by one elimination. None when the pool does not surround the point. A pool of more than 2D rows
+    takes one merge round first; its last round's at most 2D rows, a pool around this point, are
+    appended to ``narrowed`` when given. ``total``, when the caller has it, is the certificate's point
+    sum_i weights_i (w_i, b_i) (without the 1), which spares the pass over the head that finds the rest's.
+    ``spend``: the pool's points are the solve's to spend (its holder lets them go after): no copy of them.
+    """
+    order = np.argsort(-weights, kind="stable")
+    top, rest = order[:heaviest], order[heaviest:]
+    mass = float(weights[rest].sum())
+    if mass <= 0:
+        return None
+    if total is not None:  # the whole point less the heaviest rows' part
+        target = (total - weights[top] @ lifted_points(head, indices[top])[:, :-1]) / mass
+    else:
+        dense = torch.zeros(head.n, dtype=torch.float64, device=head.device)
+        dense[torch.as_tensor(indices[rest], device=head.device)] = torch.as_tensor(weights[rest],
+                                                                                    device=head.device)
+        target = head.combine(dense[None, :])[0].cpu().numpy() / mass  # one pass over the head, by blocks
+        if head.bias is not None:
+            target = np.append(target, float(dense @ head.bias) / mass)
+    others = pool.indices != k  # the token may sit among the rows another token's certificate used
+    # from theta = 0: no token depends on another; the selection is a copy, spent by the solve (as are the
+    # pool's own points where the holder spends them)
+    if spend and others.all():
+        points, pool.points = pool.lifted(head), None
+        spread = maximum_entropy_weights(points[:, :-1], target, overwrite=True)
+        del points
+    else:
+        spread = maximum_entropy_weights(pool.lifted(head)[others, :-1], target, overwrite=True)
+    if spread is None:
+        return None
+    union, position = np.unique(np.concatenate([indices[top], pool.indices[others]]), return_inverse=True)
+    alpha = np.zeros(union.size)
+    np.add.at(alpha, position, np.concatenate([weights[top], mass * spread]))
+    if union.size > 2 * lifted_dimension(head):  # a large pool: one merge round first
+        union, alpha, last = reduce_support(head, union, alpha)
+        if narrowed is not None:
+            narrowed[:] = [last]  # one pool kept: the newest
+        return union, alpha
+    alpha = eliminate(lifted_points(head, union), alpha)
+    survive = alpha > 0
+    return union[survive], alpha[survive] / alpha[survive].sum()
+
+
+def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: int = 60,
+                            start: torch.Tensor | None = None, overwrite: bool = False,
+                            prior: np.ndarray | None = None, chord: float = 0.25) -> np.ndarray | None:
+    """Weights pi_i proportional to exp(theta . x_i), all positive, with sum pi_i x_i = target, by Newton's
+    method on F(theta) = log sum exp(theta . (x_i - target)) from theta = 0 (see tilt.py, which does the
+    same over a whole head). None when it does not converge: the target is not inside the hull.
+
+    The Hessian (m D^2, the cost of a step) is formed again only when the previous step with an older one
+    did not cut the gradient to ``chord`` times what it was (a quarter unless the caller says otherwise; a
+    chord step is O(m D)); ``iterations`` bounds the Hessians, and four times as many steps are taken at most
+    (_CHORD_STEPS more with a ``start``). A chord step that stalls where the gradient is at its own rounding
+    (_ROUNDING_GRADIENT) ends the solve. The Hessian only picks the direction of a step: the line
+    search and the gradient, which the weights must bring to 0, stay in float64. So it is first formed from
+    float32 products (half the time), by blocks of rows, for at most _FLOAT32_HESSIANS Hessians; where that does not
+    converge, or a step fails, Newton's method starts again from theta = 0 with float64 Hessians (float32
+    directions can carry theta where the gradient stalls, on points nearly collinear in some coordinates,
+    and a float32 Hessian of a singular one may be indefinite). The Hessian and
+    its factors are torch's (on the CPU's audit threads: numpy's BLAS runs on one during an audit,
+    auditor/util/threads.py); the O(m D) steps are numpy's, whose small operations cost less than torch's.
+
+    ``start``: a Cholesky factor of the Hessian at theta = 0 in the points' own units, shared by the targets
+    that use one pool: the covariance of ``points`` under uniform weights (pool_start), or under the
+    ``prior``'s (PoolCentre.factor). The Hessian at theta = 0 is that covariance divided by the square of the
+    offsets' scale, whatever the target, so the first steps of a target near the pool's centre take it as
+    chord steps (O(m D) each; the steps are scaled, the factor is not copied) and a fresh Hessian is formed
+    only where they stall.
+
+    ``overwrite``: ``points`` is the caller's to spend (a copy made for this call), and the offsets are formed
+    in it: one m x D array fewer.
+
+    ``prior``: the logarithms of positive weights on the points to start from, theta = 0 giving them instead of
+    uniform ones (pi_i proportional to prior_i exp(theta . x_i)). Where the prior weights are themselves
+    maximum-entropy weights of the points (the centre's, pools.pool_centre), the family and the answer
+    are the same and only the path changes: from the centre's weights, whose Hessian is its PoolCentre's factor
+    (``start``), a target near the centre takes chord steps first. ``chord``: a fresh Hessian is formed
+    where a step leaves the gradient above this fraction of the one before (a chord step costs about 1 / D of
+    a Hessian, so a start close to the answer's Hessian keeps stepping with it)."""
+    # one m x D array, scaled in place: fresh arrays cost page faults
+    offsets = np.subtract(points, target, out=points if overwrite else None)
+    scale = max(float(offsets.max()), -float(offsets.min())) or 1.0
+    offsets /= scale
+    # start's Hessian over scale^2: its steps are scale^2 times the unscaled factor's (no D x D copy of it)
+    first = (start, scale * scale) if start is not None else None
+    found = _entropy_newton(offsets, torch.float32, min(iterations, _FLOAT32_HESSIANS), first, prior, chord)
+    return found if found is not None else _entropy_newton(offsets, torch.float64, iterations, first, prior, chord)
+
+
+def _with_ridge(matrix: torch.Tensor) -> torch.Tensor:
+    """``matrix`` (a D x D covariance, changed in place) plus a tiny ridge, 1e-14 of its trace, on its diagonal:
+    rows of a normalised head span only a subspace. No D x D identity (a sixteenth of a float32 head of
+    128256 x 4096)."""
+    matrix.diagonal().add_(1e-14 * float(matrix.trace()))
+    return matrix
+
+
+_FLOAT32_HESSIANS = 8  # the float32 attempt's Hessians: a pool around the centre of a real head takes 3
+
+
+_ROUNDING_GRADIENT = 1e-13  # a gradient this small (offsets scaled to at most 1) is at the rounding of its sum
+
+
+_CHORD_STEPS = 150  # the steps a shared start adds (O(m D) each: at D = 4097 all of them cost a tenth of a Hessian)
+
+
+def _hessian(offsets: np.ndarray, pi: np.ndarray, mean: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """sum_i pi_i (x_i - mean)(x_i - mean)^T (float64, D x D) from ``dtype`` products of blocks of _HESSIAN_ROWS
+    offsets: no m x D copy in either precision."""
+    hessian = torch.zeros(offsets.shape[1], offsets.shape[1], dtype=torch.float64)
+    for s in range(0, offsets.shape[0], _HESSIAN_ROWS):
+        block = torch.from_numpy(offsets[s:s + _HESSIAN_ROWS]) - torch.from_numpy(mean)
+        block = block.mul_(torch.from_numpy(np.sqrt(pi[s:s + _HESSIAN_ROWS]))[:, None]).to(dtype)
+        hessian.add_(block.T @ block)  # a float32 product widened as it is added
+    return hessian
+
+
+_HESSIAN_ROWS = 2048
+
+
+def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
+                    start: tuple[torch.Tensor, float] | None = None, prior: np.ndarray | None = None,
+                    chord: float = 0.25) -> np.ndarray | None:
+    """maximum_entropy_weights' Newton's method from theta = 0, its Hessians formed in ``dtype`` (float32 or
+    float64) products; ``start``, (a Cholesky factor L, s) with L L^T / s the Hessian at theta = 0, for the
+    first (chord) steps; ``prior`` and ``chord`` as there."""
+    narrow = dtype == torch.float32
+    theta = np.zeros(offsets.shape[1])
+
+    def weights(t):
+        logits = offsets @ t
+        if prior is not None:
+            logits += prior
+        top = logits.max()
+        pi = np.exp(logits - top)
+        total = pi.sum()
+        return pi / total, top + np.log(total), abs(float(top))  # F's rounding: about its leading logit's
+
+    pi, current, magnitude = weights(theta)
+    factor, step_scale = start if start is not None else (None, 1.0)
+    hessians, previous = 0, np.inf
+    for _ in range(4 * iterations + (_CHORD_STEPS if start is not None else 0)):
+        gradient = pi @ offsets
+        size = float(np.abs(gradient).max())
+        if size <= 1e-15:
+            return pi
+        if factor is None or size > previous * chord:  # a Newton step: a fresh Hessian
+            if factor is not None and size <= _ROUNDING_GRADIENT:
+                return pi  # a step stalled where the gradient is rounding: a Hessian would not move it
+            if hessians == iterations:
+                break
+            # The old factor is let go before the new Hessian is formed, and the factor is written over the
+            # Hessian (a tiny ridge first: rows of a normalised head span only a subspace): one D x D array
+            # at a time, where the singular case's least squares forms the Hessian again.
+            factor, step_scale = None, 1.0
+            factor, info = cholesky_in_place(_with_ridge(_hessian(offsets, pi, gradient, dtype)))
+            hessians += 1
+            if info != 0:
+                if narrow:  # the float32 rounding may leave a singular Hessian indefinite
+                    return None
+                factor = None
+        previous = size
+        step = (torch.cholesky_solve(torch.from_numpy(gradient)[:, None], factor)[:, 0].numpy() * step_scale
+                if factor is not None else None)
+        if (step is None or not np.all(np.isfinite(step))) and hessians == 0:  # the shared start failed:
+            factor, previous = None, np.inf  # a fresh Hessian next
+            continue
+        if step is None or not np.all(np.isfinite(step)):  # singular: not positive definite, or NaN
+            hessian = _with_ridge(_hessian(offsets, pi, gradient, dtype))
+            step = np.linalg.lstsq(hessian.numpy(), gradient, rcond=None)[0]
+            hessian = factor = None
+        slope = float(gradient @ step)
+        if not slope > 0:
+            return None
+        eta = 1.0
+        while eta > 1e-8:
+            trial_pi, trial, trial_magnitude = weights(theta - eta * step)
+            if trial <= current - 1e-4 * eta * slope:
+                break
+            # near the solution F's decrease falls below its own rounding: there a full step that shrinks
+            # the gradient is taken (the gradient is what the weights must bring to 0)
+            if (eta == 1.0 and trial <= current + 8 * _EPS * (abs(current) + magnitude)
+                    and np.abs(trial_pi @ offsets).max() < size):
+                break
+            eta *= 0.5
+        else:
+            return None
+        theta = theta - eta * step
+        pi, current, magnitude = trial_pi, trial, trial_magnitude
+    return _converged(pi, offsets)
+
+
+def shared_null_vectors(points: np.ndarray) -> np.ndarray | None:
+    """null_vectors of a pool's lifted points, for pool_certificate's tokens outside the pool (None for a pool
+    of at most D rows, which needs none)."""
+    return null_vectors(points) if points.shape[0] > points.shape[1] else None
+
+
+def pool_start(points: np.ndarray) -> torch.Tensor | None:
+    """A Cholesky factor of the covariance of ``points`` (m x D, float64; uniform weights, a tiny ridge as the
+    Hessians take): maximum_entropy_weights' ``start`` for the targets of one pool. None where it fails."""
+    uniform = np.full(points.shape[0], 1.0 / points.shape[0])
+    factor, info = cholesky_in_place(_with_ridge(_hessian(points, uniform, uniform @ points, torch.float64)))
+    return factor if info == 0 else None
+
+
+@dataclass
+class PoolCentre:
+    """The centre c of the head as a combination of a pool's rows: its maximum-entropy weights mu on them (all
+    positive, sum mu_i x_i = c) and a Cholesky factor of H = sum_i mu_i (x_i - c)(x_i - c)^T, for
+    linear_weights."""
+
+    weights: np.ndarray  # m, the pool's rows in order
+    point: np.ndarray  # c
+    factor: torch.Tensor  # lower triangular, D - 1 square (the points without their last coordinate)
+
+
+def pool_centre(points: np.ndarray, centre: np.ndarray) -> PoolCentre | None:
+    """The PoolCentre of ``points`` (m x (D - 1): the pool's lifted points less their last coordinate) for the
+    point ``centre``; None when the maximum-entropy solve or the factor fails (the centre is not inside
+    the pool's hull). One solve and one m D^2 product for the pool, shared by every token near the centre."""
+    weights = maximum_entropy_weights(points, centre)
+    if weights is None or not np.all(weights > 0):  # (an underflowed weight: linear_weights and the prior need all)
+        return None
+    factor, info = cholesky_in_place(_with_ridge(_hessian(points, weights, np.asarray(centre, dtype=np.float64),
+                                                            torch.float64)))
+    return PoolCentre(weights, np.asarray(centre, dtype=np.float64), factor) if info == 0 else None
+
+
+def linear_weights(points: np.ndarray, centre: PoolCentre, target: np.ndarray) -> np.ndarray | None:
+    """Convex weights on a pool's rows (``points`` their lifted points, m x D) reproducing ``target`` (the
+    lifted point less its last coordinate: w_k, and b_k with a bias), from the centre's in one linear solve:
+    nu_i = mu_i (1 + theta . (x_i - c)) with H theta = target - c. They sum to 1 (the mu_i (x_i - c) sum to
+    0) and sum nu_i x_i = c + H theta = target in exact arithmetic (and for H without its ridge): the
+    first-order term of the maximum-entropy weights about the centre, with no Newton's method. Valid where
+    every 1 + theta . (x_i - c) is positive, as for a point a short way from the centre in the metric of H
+    (their mean square over mu is theta . H theta): rows mean-initialised and rounded to bfloat16 leave them
+    at 0.35 or more. One refinement against the float64 residual; None where a weight is not positive
+    (maximum_entropy_weights may still reach such a target). O(m D) and two triangular solves a target."""
+    def step(offset: np.ndarray) -> np.ndarray:  # mu_i theta . (x_i - c), H theta = offset
+        theta = torch.cholesky_solve(torch.from_numpy(offset)[:, None], centre.factor)[:, 0].numpy()
+        return centre.weights * (points @ np.append(theta, 0.0) - float(centre.point @ theta))
+
+    nu = centre.weights + step(np.subtract(target, centre.point))
+    if not np.all(nu > 0):
+        return None
+    nu /= nu.sum()  # (its drift from 1 is rounding) before the refinement, which keeps the sum
+    nu += step(np.subtract(target, nu @ points[:, :-1]))
+    return nu if np.all(nu > 0) else None
+
+
+def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
+                     start: torch.Tensor | None = None, null: np.ndarray | None = None,
+                     centre: PoolCentre | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Weights on at most D of the pool's rows (``points`` their lifted points) reproducing token k's row: the
+    maximum-entropy weights on the pool (all positive where the row lies inside the pool's hull) and one
+    elimination. No dense certificate first: for a row near the pool's centre (a mean-initialised row rounded
+    to bfloat16) this is the work of one elimination on 2D rows. None when the pool does not surround the row.
+    ``null``: the null vectors of all of ``points`` (null_vectors), for a token whose row is not in the pool.
+    ``start``: pool_start's factor, the solve starting from uniform weights; or ``centre``: the solve starting
+    from the centre's weights (less row k's, for a row of the pool) and factor, the factor kept while its
+    chord steps cut the gradient by 30 % (a row near the centre, where the first-order weights of
+    linear_weights turn negative, takes fewer Hessians than from uniform weights)."""
+    others = pool.indices != k
+    target = lifted_points(head, np.array([k]))[0, :-1]
+    if centre is not None:
+        spread = maximum_entropy_weights(points[others, :-1], target, start=centre.factor, overwrite=True,
+                                         prior=np.log(centre.weights[others]), chord=_CENTRE_CHORD)
+    else:
+        spread = maximum_entropy_weights(points[others, :-1], target, start=start, overwrite=True)  # a copy, spent
+    if spread is None:
+        return None
+    alpha = eliminate(points[others], spread, null if others.all() else None)
+    survive = alpha > 0
+    return pool.indices[others][survive], alpha[survive] / alpha[survive].sum()
+
+
+_CENTRE_CHORD = 0.7  # pool_certificate from the centre's weights: a fresh Hessian once a chord step cuts the gradient by less than 30 %
+
+
+def _converged(pi: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
+    return pi if np.abs(pi @ offsets).max() <= 1e-12 else None

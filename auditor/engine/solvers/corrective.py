@@ -1,0 +1,177 @@
+"""Wolfe's minimum-norm-point method, fully corrective, for low-rank heads in R^d.
+
+Token k cannot win in R^d exactly when the origin lies in
+
+    conv{ l_i - l_k : i != k } + cone{ -e },      l_i = (w_i, lambda b_i)
+
+(the bias coordinate is left out without a bias, and so is the ray -e): a convex combination
+with sum alpha_i w_i = w_k and sum alpha_i b_i >= b_k. The point of that set nearest the
+origin answers the question both ways: at distance zero its weights are the certificate, and
+otherwise its negative y = (y_w, y_b) separates, so that l_i . y < l_k . y for every rival i,
+which makes z = y_w / (lambda y_b) a witness (y_b > 0) or y_w a direction along which k wins
+far out (y_b = 0; lp.best_scale finds where). lambda only balances the two parts; every
+lambda > 0 gives the same answer.
+
+Frank-Wolfe (bounded_dual.py, frank_wolfe.py) moves one row's weight at a time. Here each
+round solves the nearest-point problem exactly on a pool of rows (non-negative least
+squares, the "corral" of Wolfe's method), then prices every row at the negative of the
+residual and adds the rows that would shorten it most; rows that lost their weight leave the
+pool. On the crowded boundaries of low-rank heads (thousands of rows in tens of dimensions,
+most of them vertices) a few rounds settle a token that Frank-Wolfe needs hundreds of
+iterations for; in high dimensions a pool that surrounds w_k needs more than d rows and each
+solve costs O(d^3), so the stage serves heads of at most WIDTH dimensions.
+
+Like every stage it only proposes: weights go through lp.polish and certify.check_convex,
+witnesses through certify.check_witnesses (lp.try_witness). What it leaves undecided (a
+token within rounding of a tie, a pool that stops improving) goes on to the next stages with
+its last pool as the LP's seeds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.optimize
+import torch
+
+from auditor.engine.arithmetic.head import EngineHead
+from auditor.engine.exact.lp import LpOutcome, polish, try_witness
+
+WIDTH = 256  # heads of at most this many dimensions get the stage
+_ADD = 64  # rows priced into the pool each round
+_SETTLED = 1e-9  # a residual below this fraction of the rows' spread: the weights are worth polishing
+
+
+def corrective_certificates(head: EngineHead, ids: np.ndarray, threat: np.ndarray,
+                            rounds: int, add: int = _ADD, done=None) -> tuple[dict, dict, dict]:
+    """Run the rounds for tokens ``ids`` (``threat``: each one's strongest rival from the screen).
+
+    Returns (certificates, witnesses, pools): k -> (indices, weights, residual, bias_gap) for the
+    tokens it proves unargmaxable, k -> LpOutcome for those it proves argmaxable, and k -> the
+    last pool of rows for every token it leaves."""
+    problem = _Lifted(head)
+    certificates, witnesses, pools = {}, {}, {}
+    for k, t in zip(np.asarray(ids).tolist(), np.asarray(threat).tolist()):
+        verdict, found, pool = _decide(problem, k, t, rounds, add)
+        if verdict == "unargmaxable":
+            certificates[k] = found
+        elif verdict == "argmaxable":
+            witnesses[k] = found
+        else:
+            pools[k] = pool
+        if done is not None:
+            done(k)
+    return certificates, witnesses, pools
+
+
+class _Lifted:
+    """The head's rows as the points l_i = (w_i, lambda b_i), and pricing over all of them."""
+
+    def __init__(self, head: EngineHead):
+        self.head = head
+        self.has_bias = head.bias is not None
+        # rows all one point have no spread: any positive scale will do (the bias alone decides)
+        spread = head.typical_spread or head.max_spread or 1.0
+        # the bias coordinate at the rows' scale: neither part then dominates the residual's length
+        self.scale = spread / head.max_abs_bias if self.has_bias and head.max_abs_bias > 0 else 1.0
+        self.spread = spread
+        self.bias = head.bias.cpu().numpy() if self.has_bias else None
+        self.mask = head.row_mask.cpu().numpy() if head.row_mask is not None else None
+        self.centre = head.centre.cpu().numpy()
+
+    def points(self, ids: np.ndarray) -> np.ndarray:
+        rows = self.head.rows(ids)
+        if not self.has_bias:
+            return rows
+        return np.hstack([rows, self.scale * self.bias[ids][:, None]])
+
+    def gains(self, y: np.ndarray, k: int) -> np.ndarray:
+        """l_i . y for every row (k and the rows that are not competitors at -inf): the rows with the
+        largest gain shorten the residual most."""
+        head = self.head
+        d = head.d
+        gain = head.fast_logits(torch.as_tensor(y[:d], device=head.device)[None, :])[0].cpu().numpy()
+        if self.has_bias:
+            gain = gain + (self.scale * y[d]) * self.bias
+        if self.mask is not None:
+            gain = gain + self.mask
+        gain[k] = -np.inf
+        return gain
+
+
+def _decide(problem: _Lifted, k: int, threat: int, rounds: int, add: int):
+    head = problem.head
+    d = head.d
+    l_k = problem.points(np.array([k]))[0]
+    start = head.rows([k])[0] - problem.centre  # the screen's direction: k's offset from the centre
+    gain = problem.gains(np.concatenate([start, [0.0]]) if problem.has_bias else start, k)
+    pool = _top(gain, add)
+    if 0 <= threat != k and head.representative[threat] == threat:
+        pool = np.union1d(pool, [threat])
+    outcome = LpOutcome()
+    for _ in range(rounds):
+        if pool.size == 0:
+            break
+        Y = (problem.points(pool) - l_k).T  # (d or d + 1) x |pool|
+        alpha, ray, residual = _nearest(Y, problem.has_bias)
+        if alpha is None:
+            break
+        support = alpha > 0
+        if np.linalg.norm(residual) <= _SETTLED * problem.spread:
+            indices, weights, check = polish(head, k, pool[support], alpha[support], first_accepted=True)
+            if check.accepted:
+                return "unargmaxable", (indices, weights, check.residual, check.bias_gap), None
+        y = -residual
+        gain = problem.gains(y, k)
+        gain_k = float(l_k @ y)
+        if np.max(gain) < gain_k:  # y separates l_k from every rival: a witness, or a direction to scale along
+            # z = y_w / (lambda y_b) when y_b > 0, y_w itself when y_b = 0: either way the direction y_w, along
+            # which try_witness finds the best scale
+            if try_witness(head, k, y[:d], outcome):
+                return "argmaxable", outcome, None
+            break  # separated only up to rounding: the next stages decide it
+        gain[pool] = -np.inf
+        fresh = _top(gain, add, above=gain_k)
+        if fresh.size == 0:
+            break
+        pool = np.union1d(pool[support], fresh)
+    return None, None, pool
+
+
+def _top(gain: np.ndarray, count: int, above: float = -np.inf) -> np.ndarray:
+    """Up to ``count`` rows of the largest finite gains above ``above``, sorted by id."""
+    finite = np.isfinite(gain) & (gain > above)
+    candidates = np.flatnonzero(finite)
+    if candidates.size > count:
+        candidates = candidates[np.argpartition(-gain[candidates], count - 1)[:count]]
+    return np.sort(candidates)
+
+
+def _nearest(Y: np.ndarray, ray: bool):
+    """The point of conv(columns of Y) (+ cone{-e_last} when ``ray``) nearest the origin.
+
+    min ||Y b - g e||^2 + (s (sum b - 1))^2 over b, g >= 0 has b = t alpha for the nearest point's
+    weights alpha (t > 0), so one non-negative least squares gives them; s, the rows' scale, keeps
+    the sum's equation as stiff as the others. Returns (alpha, g / t, residual Y alpha - (g / t) e),
+    or (None, None, None) when the solve fails."""
+    dims, m = Y.shape
+    scale = float(np.abs(Y).max()) or 1.0
+    columns = [Y]
+    if ray:
+        down = np.zeros((dims, 1))
+        down[-1, 0] = -scale
+        columns.append(down)
+    system = np.vstack([np.hstack(columns), np.append(np.full(m, scale), [0.0] if ray else [])[None, :]])
+    target = np.append(np.zeros(dims), scale)
+    try:
+        beta = scipy.optimize.nnls(system, target, maxiter=50 * system.shape[1])[0]
+    except (RuntimeError, ValueError):  # the iteration limit, or a non-finite entry: left to the next stages
+        return None, None, None
+    total = beta[:m].sum()
+    if not total > 0:
+        return None, None, None
+    alpha = beta[:m] / total
+    lowered = beta[m] * scale / total if ray else 0.0
+    residual = Y @ alpha
+    if ray:
+        residual[-1] -= lowered
+    return alpha, lowered, residual
