@@ -19,7 +19,8 @@ least-mean-squares solvers", NeurIPS 2019): split the support into 2D
 groups, replace each group by its weighted mean, reduce those 2D means to D
 by the plain method, and keep only the groups whose means survived, with
 their weights rescaled. Each round at least halves the support, and each
-costs one pass over it plus one small null-space elimination.
+costs one pass over it plus one small null-space elimination (elimination.py).
+Certificates near the centre of a head skip most rounds through a pool of rows around it (pools.py).
 
 The result is re-solved on its support and checked by certify.check_convex
 like any other certificate; the engine keeps the dense one if it fails.
