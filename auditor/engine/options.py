@@ -12,7 +12,8 @@ class EngineOptions:
     frank_wolfe_iterations: int = 100
     newton_iterations: int = 40
     min_norm_rounds: int = 40  # rounds of the fully corrective minimum-norm method per token (corrective.py)
-    lp_rounds: int = 10  # rounds of constraint generation per token before the LP over all rows (lp.py)
+    lp_rounds: int = 10  # rounds of constraint generation per token before the LP over all rows
+    #                    (exact/constraint_generation.py)
     residual_tol: float = 1e-10
     defer_flat: bool = False  # bounded domains: leave tokens whose dual value is zero up to the tolerance
     #                           inconclusive rather than solve an LP (the norm domain settles them in R^d)

@@ -3,7 +3,8 @@
 pipeline.py chooses which stages run and in what order; each function here runs one of them on the
 tokens still left (``left``, with each one's strongest rival ``threat``), records what it proved
 (``set_witness``, ``set_convex``, or settle.py for Frank-Wolfe's and the dual's outcomes) and returns the
-tokens it left. Nothing is recorded that did not pass the exact stage's float64 checks.
+tokens it left. Each stage only proposes: what it records passed the float64 checks of certify.py (the
+screen's formula witnesses, the bound of its own certified pass).
 """
 
 from __future__ import annotations

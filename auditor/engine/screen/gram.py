@@ -35,15 +35,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from auditor.engine.screen import integer_pass
-
 from auditor.engine.arithmetic.head import EngineHead
 from auditor.engine.arithmetic.power_of_two import float32_times_power
-from auditor.engine.arithmetic.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32, float32_towards_zero,
-                                                gamma, ieee_float32_products, logit_error_factor, per_unit_norm, proven_lower,
-                                                proves_positive, rounded_down, rounded_up, safe_norm, underflow_floor)
+from auditor.engine.arithmetic.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUNDOFF, UNIT_ROUNDOFF_32,
+                                                float32_towards_zero, gamma, ieee_float32_products, logit_error_factor,
+                                                per_unit_norm, proven_lower, proves_positive, rounded_down, rounded_up,
+                                                safe_norm, underflow_floor)
 from auditor.engine.exact.certify import check_witnesses_sharpened, derived_error, inside_domain
-from auditor.engine.screen import low_precision
+from auditor.engine.screen import integer_pass, low_precision
 from auditor.engine.screen.whitened import less_derived_error, tries_whitened
 
 _BLOCK_BUDGET = 1 << 24  # entries per chunk x n block (64 MiB in float32); two blocks live at once with a bias
