@@ -1,6 +1,7 @@
 """Where an audit's memory goes: the resident set sampled per engine function, on vocabulary_scale.py's head.
 
     python bench/stage_memory.py [--shape gpt2|llama3|gemma2|N,D] [--width D] [--dtype float32|bfloat16] [--top 20]
+                                 [--family MEMBER]
 
 Builds the head of bench/vocabulary_scale.py (same construction, same seed, so
 the same rows and planted verdicts), audits it once on the CPU, and samples
@@ -13,7 +14,8 @@ functions with the highest peaks, each with the level at its first entry.
 
 The wrappers and the sampler (which takes Python's lock every 2 ms) cost a few
 per cent of the time: vocabulary_scale.py gives the timings, this its memory.
-No floor is run, so the Llama-3 shape takes about 9 minutes on 2 threads.
+No floor is run, so the Llama-3 shape takes about 9 minutes on 2 threads. ``--family MEMBER`` audits
+that member of bench/families.py at the shape instead (N,D; its planted rows as that bench checks them).
 """
 
 from __future__ import annotations
@@ -105,10 +107,21 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--top", type=int, default=20, help="functions listed, highest peak first")
+    parser.add_argument("--family", help="a member of bench/families.py (its --list)")
     args = parser.parse_args()
     n, d = SHAPES[args.shape] if args.shape in SHAPES else map(int, args.shape.split(","))
     d = args.width or d
-    weight, planted, groups = make_head(n, d, args.seed, args.dtype)
+    options = {}
+    if args.family:
+        import families
+        member = next(m for m in families.MEMBERS if m.name == args.family)
+        weight, bias, final_norm, accepted = families.build(member, n, d, args.seed)
+        options = dict(bias=bias, domain=member.domain, final_norm=final_norm)
+        planted = {k: next(iter(v)) for k, v in accepted.items() if len(v) == 1}
+        groups = {}
+        args.dtype = member.dtype
+    else:
+        weight, planted, groups = make_head(n, d, args.seed, args.dtype)
     head = torch.from_numpy(weight)
     if args.dtype == "bfloat16":
         head = head.to(torch.bfloat16)
@@ -117,7 +130,7 @@ def main() -> None:
 
     with StageMemory() as memory:
         started = time.perf_counter()
-        report = auditor.audit(head, progress=False)
+        report = auditor.audit(head, progress=False, **options)
         audit_s = time.perf_counter() - started
     wrong = [k for k, want in planted.items() if report.tokens[k].verdict != want]
     wrong += [k for k, want in groups.items() if report.tokens[k].group_verdict != want]

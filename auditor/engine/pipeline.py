@@ -1,9 +1,9 @@
 """The engine's stage order: ``decide`` runs every requested token through the stages, cheapest first.
 
 1. ties      exact duplicate rows become groups; one representative is decided
-2. screen    one Gram pass checks z = s (w_k - t c) for every token (a bfloat16 pass first on large
-             heads: without a bias, or with one in a bounded domain); on large heads without a
-             bias, z = s C^+ (w_k - c) for the few left
+2. screen    one Gram pass checks z = s (w_k - t c) for every token (an int8 or bfloat16 pass first on
+             large heads: without a bias, or with one in a bounded domain); on large heads without a
+             bias, z = C^+ (w_k - c) too, in an int8 pass of its own where the int8 pass runs
 3. interior  a closed-form convex combination for rows deep inside the hull
 3a. min-norm  heads of at most 256 dimensions in R^d (after the LP of few dimensions and the
              origin's route below): without a bias a few Frank-Wolfe iterations for witnesses, then Wolfe's fully

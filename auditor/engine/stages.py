@@ -19,6 +19,7 @@ from tqdm import tqdm
 from auditor.engine.arithmetic.head import EngineHead
 from auditor.engine.arithmetic.rounding import per_unit_norm, safe_norm
 from auditor.engine.decisions import ARGMAXABLE, INCONCLUSIVE, STAGES, UNDECIDED, Decisions, set_convex, set_witness
+from auditor.engine.exact.certify import check_witnesses_sharpened
 from auditor.engine.exact.constraint_generation import lp_decide_all
 from auditor.engine.options import EngineOptions
 from auditor.engine.screen.gram import screen
@@ -70,7 +71,31 @@ def screen_stage(head: EngineHead, out: Decisions, todo: np.ndarray, progress: b
     out.runner_up[todo[won]] = screened.runner_up[won]
     out.witness_shift[todo[won]] = screened.shift[won]
     out.witness_scale[todo[won]] = screened.scale[won]
-    return whitened_stage(head, out, todo[~won], screened.threat[~won], screened.centred)
+    priced = screened.whitened
+    if priced is None:
+        return whitened_stage(head, out, todo[~won], screened.threat[~won], screened.centred)
+    # the whitened witnesses the int8 pass proved, then the float64 check of its close calls
+    _record_witnesses(head, out, todo[priced.proved], priced.witnesses, priced.margin, priced.runner_up)
+    open_calls = out.verdict[todo[priced.close]] == UNDECIDED  # not proved by the float32 pass meanwhile
+    close, witnesses = todo[priced.close][open_calls], priced.close_witnesses[torch.as_tensor(open_calls)]
+    if close.size:
+        check = check_witnesses_sharpened(head, close, witnesses)
+        _record_witnesses(head, out, close[check.certified], witnesses[torch.as_tensor(check.certified)],
+                          check.margin[check.certified], check.runner_up[check.certified])
+    left = todo[~won]
+    keep = out.verdict[left] == UNDECIDED
+    return left[keep], screened.threat[~won][keep]
+
+
+def _record_witnesses(head: EngineHead, out: Decisions, ids: np.ndarray, witnesses: torch.Tensor,
+                      margin: np.ndarray, runner_up: np.ndarray) -> None:
+    """Record proved explicit witnesses; the unbounded head without a bias quotes its margin on the unit ball."""
+    sizes = safe_norm(witnesses, dim=1).cpu().numpy()
+    rows = witnesses.cpu().numpy()
+    at_z = head.domain.bounded or head.bias is not None
+    for j, k in enumerate(ids.tolist()):
+        quoted = margin[j] if at_z else per_unit_norm(margin[j], sizes[j], head.d)
+        set_witness(out, int(k), rows[j], float(quoted), int(runner_up[j]), "screen")
 
 
 def whitened_stage(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray, centred

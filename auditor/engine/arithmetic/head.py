@@ -250,7 +250,20 @@ class EngineHead:
             if not bool(keep.all()):  # (a selection copies: only where directions are dropped)
                 eigval, eigvec = eigval[keep], eigvec[:, keep]
             self._precision = (eigvec / eigval) @ eigvec.T
+            self._whitening = (eigvec / eigval.sqrt()).T.contiguous()
         return self._precision
+
+    _whitening: torch.Tensor | None = None
+
+    @property
+    def whitening(self) -> torch.Tensor:
+        """A (r x d, r the directions ``precision`` keeps) with A^T A = ``precision`` (up to its rounding): the
+        rows A (w_i - c) are the head made round. It only steers: the witness A^T A (w_k - c) it leads to is
+        bounded where it is used (screen/whitened_integer.py)."""
+        if self._whitening is None:
+            self._precision = None
+            _ = self.precision
+        return self._whitening
 
     def rows64(self, ids) -> torch.Tensor:
         """float64 copies of some rows on the device (exact: the storage converts exactly, and a float32 entry

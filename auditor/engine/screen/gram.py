@@ -1,9 +1,12 @@
 """The screen stage: one batched Gram product over the vocabulary.
 
 A large head (without a bias in any domain, or with one in a bounded domain) is
-first screened in bfloat16 (low_precision.py): the centred self-direction
-z = s (w_k - c) with a rigorous allowance for that arithmetic proves most tokens
-at a fifth of the cost; the pass below then runs on the tokens it left.
+first screened in int8 (integer_pass.py, heads without a bias) or bfloat16
+(low_precision.py): the centred self-direction z = s (w_k - c) with a rigorous
+allowance for that arithmetic proves most tokens at a fraction of the cost.
+Without a bias the whitened self-direction C^+ (w_k - c) is priced in a second
+int8 pass (whitened_integer.py), first where a sample of the head's rows says it
+proves more; the pass below then runs on the tokens both left.
 
 For every token k it tries the candidate witnesses z = s (w_k - t c), t in
 {0, 1}, where c is the centre (mean) of the rows: the row itself, and the row
@@ -44,6 +47,8 @@ from auditor.engine.arithmetic.rounding import (SMALLEST_SUBNORMAL_32, UNIT_ROUN
 from auditor.engine.exact.certify import check_witnesses_sharpened, derived_error, inside_domain
 from auditor.engine.screen import integer_pass, low_precision
 from auditor.engine.screen.whitened import less_derived_error, tries_whitened
+from auditor.engine.screen import whitened_integer
+from auditor.engine.screen.whitened_integer import WhitenedOutcome
 
 _BLOCK_BUDGET = 1 << 24  # entries per chunk x n block (64 MiB in float32); two blocks live at once with a bias
 _SHIFTS = (0.0, 1.0)
@@ -64,6 +69,7 @@ class ScreenResult:
     close_scale: np.ndarray  # rounding bound (nan where none won at all), re-checked in float64
     # the low-precision pass's copy of the rows, for the whitened witnesses
     centred: low_precision.CentredRows | integer_pass.IntegerRows | None = None
+    whitened: WhitenedOutcome | None = None  # the whitened witnesses the int8 pass priced (positions into ids)
 
 
 def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
@@ -71,35 +77,106 @@ def screen(head: EngineHead, ids: np.ndarray, progress=None) -> ScreenResult:
     whose device multiplies int8 exactly, else the bfloat16 pass (low_precision.py); the float32 (or float64)
     pass for the rest."""
     count = len(ids)
+    whitened = None
+    rest = np.ones(count, dtype=bool)
     if count and integer_pass.applies(head):
         copy = integer_pass.integer_rows(head)
-        won, margin, scale, runner_up = integer_pass.int8_pass(head, ids, progress, copy)
+        # The whitened witnesses are priced in a second int8 pass (whitened_integer.py), on a copy of the head
+        # made round: on a head whose spectrum falls steeply the self-direction leaves most of the vocabulary,
+        # and these witnesses take it. Which pass goes first (on every token; the other on the tokens it
+        # leaves) is the one that proves more of a sample of the head's rows.
+        round_copy = (whitened_integer.whitened_rows(head) if tries_whitened(head) and whitened_integer.applies(head)
+                      else None)
+        if round_copy is not None and _whitened_first(head, copy, round_copy):
+            whitened = whitened_integer.whitened_int8(head, ids, progress, round_copy)
+            round_copy = None
+            rest[whitened.proved] = False
+            won, margin, scale, runner_up = _int8_on(head, ids, rest, progress, copy)
+            open_calls = ~won[whitened.close]  # the close calls the plain pass did not prove
+            whitened.close = whitened.close[open_calls]
+            whitened.close_witnesses = whitened.close_witnesses[torch.as_tensor(open_calls, device=head.device)]
+            rest &= ~won
+        else:
+            won, margin, scale, runner_up = integer_pass.int8_pass(head, ids, progress, copy)
+            rest = ~won
+            if round_copy is not None and rest.any():
+                copy = None  # let go before the float32 pass
+                pending = np.nonzero(rest)[0]
+                whitened = whitened_integer.whitened_int8(head, ids[pending], progress, round_copy)
+                whitened.proved, whitened.close = pending[whitened.proved], pending[whitened.close]
+                rest[whitened.proved] = False
+            round_copy = None
     elif count and low_precision.applies(head):
         copy = low_precision.centred_rows(head)
         won, margin, scale, runner_up = low_precision.bfloat16_pass(head, ids, progress, copy)
+        rest = ~won
+        if head.bias is not None and rest.any() and whitened_integer.applies(head):
+            # with a bias: the whitened witnesses in the int8 pass (the bias taken as its largest gap), on the
+            # tokens the bfloat16 pass left, before the float32 pass
+            copy = None
+            whitened = _whitened_on(head, ids, rest, progress)
+    elif count and head.bias is not None and whitened_integer.applies(head):
+        # a bias in the unbounded domain: the whitened witnesses first, at a scale where the bias cannot
+        # overturn them; the float32 pass (a product per scale of its ladder) on the rest
+        won, margin = np.zeros(count, dtype=bool), np.full(count, -np.inf)
+        scale, runner_up = np.ones(count), np.full(count, -1, dtype=np.int64)
+        whitened = _whitened_on(head, ids, rest, progress)
     else:
         return _screen(head, ids, progress)
     margin = _exact_rows_margin(head, ids, won, margin, scale)
-    result = _screen(head, ids[~won], progress)
+    result = _screen(head, ids[rest], progress)
     merged = ScreenResult(certified=won.copy(), margin=margin, shift=np.where(won, 1.0, 0.0), scale=scale,
                           runner_up=runner_up, threat=np.full(count, -1, dtype=np.int64),
-                          close_shift=np.full(count, np.nan), close_scale=np.full(count, np.nan))
+                          close_shift=np.full(count, np.nan), close_scale=np.full(count, np.nan), whitened=whitened)
     for name in ("certified", "margin", "shift", "scale", "runner_up", "threat", "close_shift", "close_scale"):
-        getattr(merged, name)[~won] = getattr(result, name)
+        getattr(merged, name)[rest] = getattr(result, name)
     # The copy (a quarter or half of a float32 head) goes on to the whitened witnesses where the d x d float64
     # arrays formed beside it (the covariance, its eigenvectors, the precision: about 32 d^2 bytes) are at most
     # a quarter of a bfloat16 copy (2 n d bytes), n >= _WHITENED_COPY_ROWS d: one low-precision product for
     # their rivals. On wider heads it is let go here, and those arrays are formed without it (the audit's peak
-    # memory); the whitened witnesses then take float32 products and float64 checks (at 128256 x 4096, 98
-    # tokens in a few seconds; at 128256 x 1024, which keeps the copy, 2661 tokens take 2.3 s with it and 13.7 s
-    # without). A rule of the head alone, so that a token's witness does not depend on the tokens screened with
-    # it.
-    if tries_whitened(head) and head.n >= _WHITENED_COPY_ROWS * head.d:
+    # memory); the whitened witnesses then take float32 products and float64 checks. A rule of the head alone,
+    # so that a token's witness does not depend on the tokens screened with it. (The int8 pass has priced them
+    # already: see above.)
+    if whitened is None and tries_whitened(head) and head.n >= _WHITENED_COPY_ROWS * head.d:
         merged.centred = copy
     return merged
 
 
 _WHITENED_COPY_ROWS = 64  # rows per column from which the whitened witnesses use the bfloat16 copy
+_SAMPLE = 256  # rows of the head on which the two int8 passes are compared
+_WHITENED_LEAD = 0.1  # the share of the sample by which the whitened pass must prove more to go first (its
+#                       witnesses are explicit: d float64 numbers a token, where the plain pass states a formula)
+
+
+def _whitened_first(head: EngineHead, plain: integer_pass.IntegerRows, round_copy: integer_pass.IntegerRows) -> bool:
+    """Whether the whitened int8 pass proves more of a sample of the head's rows than the plain one: a rule of
+    the head alone (every _SAMPLE-th competitor row), so that the order does not depend on the tokens asked."""
+    competitors = torch.nonzero(head.competitor).flatten().cpu().numpy()
+    sample = competitors[::max(1, competitors.size // _SAMPLE)][:_SAMPLE]
+    plain_won = integer_pass.int8_pass(head, sample, None, plain)[0].sum()
+    whitened_won = whitened_integer.whitened_int8(head, sample, None, round_copy).proved.size
+    return whitened_won > plain_won + _WHITENED_LEAD * sample.size
+
+
+def _whitened_on(head: EngineHead, ids: np.ndarray, rest: np.ndarray, progress) -> WhitenedOutcome:
+    """The whitened int8 pass on ids[rest], its positions made positions in ``ids``; ``rest`` loses what it
+    proves."""
+    pending = np.nonzero(rest)[0]
+    outcome = whitened_integer.whitened_int8(head, ids[pending], progress)
+    outcome.proved, outcome.close = pending[outcome.proved], pending[outcome.close]
+    rest[outcome.proved] = False
+    return outcome
+
+
+def _int8_on(head: EngineHead, ids: np.ndarray, chosen: np.ndarray, progress, copy: integer_pass.IntegerRows):
+    """int8_pass on ids[chosen], its outcomes spread to full-length arrays (not proved elsewhere)."""
+    count = len(ids)
+    won, margin = np.zeros(count, dtype=bool), np.full(count, -np.inf)
+    scale, runner_up = np.ones(count), np.full(count, -1, dtype=np.int64)
+    at = np.nonzero(chosen)[0]
+    if at.size:
+        won[at], margin[at], scale[at], runner_up[at] = integer_pass.int8_pass(head, ids[at], progress, copy)
+    return won, margin, scale, runner_up
 
 
 def _exact_rows_margin(head: EngineHead, ids: np.ndarray, won: np.ndarray, margin: np.ndarray,

@@ -121,9 +121,14 @@ def applies(head: EngineHead) -> bool:
     """The pass covers heads without a bias of at least head.int8_entries entries (EngineOptions), with rows
     in a range where the grids stay far from float64's limits, of a width whose products fit in int32, on a
     device whose int8 product is exact."""
-    width = _padded(head.d)
-    if not (head.bias is None and head.n * head.d >= head.int8_entries and width * LIMIT * LIMIT <= _INT32_MAX
-            and 2.0**-40 <= head.typical_spread and head.max_row_norm <= 2.0**40):
+    return head.bias is None and head.n * head.d >= head.int8_entries and fits(head)
+
+
+def fits(head: EngineHead, width: int | None = None) -> bool:
+    """Rows in a range where the grids stay far from float64's limits, of a width (d, or ``width``) whose
+    products fit in int32, on a device whose int8 product is exact at that width."""
+    width = _padded(head.d if width is None else width)
+    if not (width * LIMIT * LIMIT <= _INT32_MAX and 2.0**-40 <= head.typical_spread and head.max_row_norm <= 2.0**40):
         return False
     if not (exact_products(head.device) and exact_products(head.device, _chunk_rows(head), width)):
         log.debug("int8 screen off on %s: its int8 products are not exact; the bfloat16 pass runs instead",
@@ -144,6 +149,7 @@ class IntegerRows:
     size: torch.Tensor  # >= ||y_i|| per row (float64)
     steps: list[tuple[int, int, int, float, float]]  # (first position, end, e, Q, E) of each step's rows
     padding: torch.Tensor  # the positions past the last row (masked out of every maximum)
+    formation: torch.Tensor | None = None  # transformed rows: f_i >= ||y_i - y^_i|| (integer_rows)
 
 
 def _grid_exponents(maxima: torch.Tensor) -> torch.Tensor:
@@ -158,19 +164,44 @@ def _on_grid(values: torch.Tensor, exponent: torch.Tensor) -> tuple[torch.Tensor
     return q, values - torch.ldexp(q, exponent[:, None].to(values.dtype))
 
 
-def integer_rows(head: EngineHead) -> IntegerRows:
+def integer_rows(head: EngineHead, transform: torch.Tensor | None = None) -> IntegerRows:
     """The pass's copy of the head (a quarter of a float32 head), made by blocks of rows formed in float64
     (EngineHead.rows64: rows stored as 2^a v are scaled there, exactly): one pass for each row's largest
-    entry and norm, one for its integers and error."""
+    entry and norm, one for its integers and error.
+
+    With ``transform`` A (r x d) the copy is of the rows y_i = A (w_i - c) instead (the whitened head,
+    whitened_integer.py), formed as y^_i = fl(A fl(w_i - c)) in float64: with a_i = w_i - c and its computed
+    a^_i, |a^_i - a_i| <= u |a_i| and |fl(A a^_i) - A a^_i| <= gamma_d |A| |a^_i| entrywise, so
+
+        ||y^_i - y_i|| <= (gamma_d + u / (1 - u)) ||A||_F ||a^_i|| = f_i   (``formation``),
+
+    which ``error`` and ``size`` then carry in place of the one rounding u ||y_i|| of the plain rows."""
     device, n, d = head.device, head.n, head.d
-    width, rows = _padded(d), _padded(n)
+    r = d if transform is None else transform.shape[0]
+    width, rows = _padded(r), _padded(n)
+    formation = None
+    if transform is not None:
+        frobenius = float(safe_norm(transform.reshape(-1), dim=0)) * (1 + gamma(r * d + 2))
+        factor = (gamma(d) + 2 * UNIT_ROUNDOFF) * frobenius * (1 + gamma(d + 2)) * (1 + 2.0**-40)
+        formation = torch.empty(n, dtype=torch.float64, device=device)
+
+    def formed(ids: torch.Tensor) -> torch.Tensor:
+        offsets = head.rows64(ids) - head.witness_centre
+        if transform is None:
+            return offsets
+        # (with a product's underflow, at most 2^-1075 each: sqrt(r) d 2^-1075 more in norm)
+        formation[ids] = safe_norm(offsets, dim=1) * factor + r * d * 2.0**-1074
+        return offsets @ transform.T
+
     maxima = torch.empty(n, dtype=torch.float64, device=device)
     size = torch.empty(n, dtype=torch.float64, device=device)
     for s in range(0, n, _ROWS_BLOCK):
-        offsets = head.rows64(torch.arange(s, min(s + _ROWS_BLOCK, n), device=device)) - head.witness_centre
+        offsets = formed(torch.arange(s, min(s + _ROWS_BLOCK, n), device=device))
         maxima[s:s + _ROWS_BLOCK] = offsets.abs().amax(dim=1)
         size[s:s + _ROWS_BLOCK] = safe_norm(offsets, dim=1)
-    size *= 1 + gamma(d + 2)  # >= ||y^_i|| and so, with the one rounding of each entry, >= ||y_i||
+    size *= 1 + gamma(r + 2)  # >= ||y^_i|| and so, with the one rounding of each entry, >= ||y_i||
+    if formation is not None:  # >= ||y^_i|| + f_i >= ||y_i||
+        size = (size + formation) * (1 + 2 * UNIT_ROUNDOFF)
     exponent = _grid_exponents(maxima)
     top = int(exponent[head.competitor].max()) if bool(head.competitor.any()) else int(exponent.max())
     exponent.clamp_(min=top - _STEPS + 1, max=top)  # the eighth step takes every row further below
@@ -182,10 +213,12 @@ def integer_rows(head: EngineHead) -> IntegerRows:
     length = torch.empty(n, dtype=torch.float64, device=device)
     for s in range(0, n, _ROWS_BLOCK):
         ids = order[s:s + _ROWS_BLOCK]
-        offsets = head.rows64(ids) - head.witness_centre
-        q, r = _on_grid(offsets, exponent[ids])
-        values[s:s + ids.numel(), :d] = q.to(torch.int8)
-        error[ids] = safe_norm(r, dim=1) * (1 + gamma(d + 2)) + UNIT_ROUNDOFF * size[ids] * (1 + 2 * UNIT_ROUNDOFF)
+        # (formed again: any computed y^_i is within f_i of y_i, so r_i of this computation bounds e_i with f_i)
+        q, residual = _on_grid(formed(ids), exponent[ids])
+        values[s:s + ids.numel(), :r] = q.to(torch.int8)
+        error[ids] = safe_norm(residual, dim=1) * (1 + gamma(r + 2)) + (
+            UNIT_ROUNDOFF * size[ids] * (1 + 2 * UNIT_ROUNDOFF) if formation is None
+            else formation[ids] * (1 + 2 * UNIT_ROUNDOFF))
         # ||q_i||: an integer sum of squares, exact in float64; its square root one rounding
         length[s:s + ids.numel()] = torch.sqrt((q * q).sum(dim=1)) * (1 + 2 * UNIT_ROUNDOFF)
     steps = []
@@ -195,7 +228,7 @@ def integer_rows(head: EngineHead) -> IntegerRows:
         first, end = int(at[0]), int(at[-1]) + 1
         steps.append((first, end, int(e), float(length[first:end].max()), float(error[order[first:end]].max())))
     return IntegerRows(values, order, position, exponent, error, size, steps,
-                       torch.arange(n, rows, device=device))
+                       torch.arange(n, rows, device=device), formation)
 
 
 def _upper_bounds(rows: IntegerRows, left_exponent: torch.Tensor, left_error: torch.Tensor, left_norm: torch.Tensor,
