@@ -1,7 +1,7 @@
 """Audit time over a family of heads, the slowest member as the figure.
 
-    python bench/families.py [--size N,D] [--members NAME,...] [--list] [--threads T] [--device cpu|cuda]
-                             [--verify first|all|none] [--seed S] [--json]
+    python bench/families.py [--size N,D] [--members NAME,...] [--skip NAME,...] [--list] [--threads T]
+                             [--device cpu|cuda] [--verify first|all|none] [--seed S] [--json]
 
 A benchmark's head is one head; users' heads differ from it in their spectrum,
 their shape, the rows planted in them, their storage and their domain. This
@@ -223,6 +223,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="32768,512", help="N,D of the base head")
     parser.add_argument("--members", help="comma-separated member names (default: all; --list shows them)")
+    parser.add_argument("--skip", help="comma-separated member names to leave out")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
@@ -242,6 +243,12 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"unknown members {unknown}; --list shows them")
         members = [m for m in MEMBERS if m.name in wanted]
+    if args.skip:
+        skipped = {name.strip() for name in args.skip.split(",")}
+        unknown = skipped - {m.name for m in MEMBERS}
+        if unknown:
+            raise SystemExit(f"unknown members {sorted(unknown)}; --list shows them")
+        members = [m for m in members if m.name not in skipped]
     auditor.audit(torch.randn(2000, d), device=args.device, progress=False)  # warm-up (threads, probes)
     print(f"size {n} x {d}, {args.device}, {torch.get_num_threads()} threads; ratio = audit / one float32 W W^T pass")
     results = []
