@@ -56,7 +56,8 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     (warm, from the basis the rounds reached), so no token the plain LP decides is
     left inconclusive; 0 skips the stage. ``min_norm_rounds`` bounds the rounds of Wolfe's
     fully corrective minimum-norm method that heads of at most 256 dimensions run in the
-    unbounded domain before the full Frank-Wolfe stage (docs/method.md, stage 2a); 0 skips it.
+    unbounded domain before the full Frank-Wolfe stage, and wider heads for the tokens
+    Frank-Wolfe and Newton leave (docs/method.md, stage 2a); 0 skips it.
 
     ``bfloat16_entries``, ``int8_entries`` and ``whitened_entries`` are the head sizes (n d) from which the
     screen runs its bfloat16 pass, its int8 pass (heads without a bias, in place of the bfloat16 one) and

@@ -19,9 +19,11 @@ from auditor.engine.solvers.bounded_dual import _BoxNorm, _line_search
 @pytest.fixture(autouse=True)
 def _iterative_stages_in_few_dimensions(monkeypatch):
     """These heads are small enough that the exact LP (pipeline._DIRECT_LP_WIDTH) or the minimum-norm rounds
-    (corrective.WIDTH) would go first; the tests are of Frank-Wolfe and Newton, so every width takes them."""
+    (corrective.WIDTH) would go first, and the rounds take what they leave on wider heads (corrective.LEFTOVERS);
+    the tests are of Frank-Wolfe, Newton and the exact LP, so every width takes them."""
     monkeypatch.setattr(pipeline, "_DIRECT_LP_WIDTH", 0)
     monkeypatch.setattr(pipeline.corrective, "WIDTH", 0)
+    monkeypatch.setattr(pipeline.corrective, "LEFTOVERS", False)
 
 
 def socp_margin(W, b, k, radius):

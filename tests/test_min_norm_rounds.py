@@ -142,3 +142,26 @@ def test_copies_of_one_weight_row_with_other_biases_are_decided_by_the_rounds_al
     assert auditor.verify(report, W, b).ok
     for k in range(20):
         assert report.tokens[k].verdict == plain_lp(W, b, k)
+
+
+@pytest.mark.parametrize("bias", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_wider_heads_give_the_rounds_what_frank_wolfe_and_newton_leave(monkeypatch, bias):
+    """A head wider than corrective.WIDTH (here WIDTH is lowered to 8 for a 12-dimensional head) skips the rounds
+    before Frank-Wolfe; with Frank-Wolfe and Newton held to two iterations, the tokens they leave go to the rounds
+    (corrective.LEFTOVERS) before the exact LP. The verdicts are the plain LP's, every certificate verifies, and
+    without the leftovers' rounds the same tokens go to the LP with the same verdicts."""
+    import auditor.engine.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline.corrective, "WIDTH", 8)
+    monkeypatch.setattr(pipeline, "_DIRECT_LP_WIDTH", 0)
+    W, b = lognormal_head(300, 12, bias, 5)
+    budgets = dict(frank_wolfe_iterations=2, newton_iterations=2, progress=False)
+    report = auditor.audit(W, b, **budgets)
+    assert report.counts["inconclusive"] == 0
+    assert sum(t.stage == "min-norm" for t in report.tokens) >= 20
+    assert compared_with_plain_lp(report, W, b) >= 290
+    assert auditor.verify(report, W, b).ok
+    monkeypatch.setattr(pipeline.corrective, "LEFTOVERS", False)
+    without = auditor.audit(W, b, **budgets)
+    assert all(t.stage != "min-norm" for t in without.tokens)
+    assert [t.verdict for t in without.tokens] == [t.verdict for t in report.tokens]

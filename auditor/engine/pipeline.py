@@ -8,7 +8,8 @@
 3a. min-norm  heads of at most 256 dimensions in R^d (after the LP of few dimensions and the
              origin's route below): without a bias a few Frank-Wolfe iterations for witnesses, then Wolfe's fully
              corrective minimum-norm method on the lifted rows (w_i, lambda b_i), a non-negative
-             least squares on a pool of rows per round, priced against the whole head (corrective.py)
+             least squares on a pool of rows per round, priced against the whole head (corrective.py);
+             wider heads run the same rounds after stage 5, for the tokens Frank-Wolfe and Newton leave
 4. frank-wolfe  batched pairwise Frank-Wolfe on the min-norm problem (no bias), or on
              the domain's dual r ||w_k - sum alpha_i w_i|| + sum alpha_i (b_k - b_i) (balls,
              the norm domain included, and boxes with the l1 norm, with a bias; the
@@ -231,6 +232,19 @@ def _after_interior(head: EngineHead, out: Decisions, left: np.ndarray, threat: 
     if len(left) and options.newton_iterations > 0:
         left = stages.newton_stage(head, out, left, options, progress)
     timings["newton"] = anchored + time.perf_counter() - clock
+
+    # Wider heads take the minimum-norm rounds too, but only for what Frank-Wolfe and Newton leave: there a
+    # round's solve costs O(d^3) and most tokens never need one, while a token left here would otherwise go
+    # to the exact LP, whose dense programs take seconds a round on a wide head (a row just outside a steep
+    # spectrum's hull, 32768 x 512: 25 s in the LP, 2.7 s in the rounds; docs/performance.md).
+    clock = time.perf_counter()
+    if (len(left) and options.min_norm_rounds > 0 and head.d > corrective.WIDTH and corrective.LEFTOVERS
+            and not head.domain.bounded):
+        threat = np.array([int(leftovers.seeds[int(k)][0][0]) for k in left], dtype=np.int64)
+        left, threat, pools = stages.min_norm_stage(head, out, left, threat, options, progress)
+        for k, pool in pools.items():
+            leftovers.seeds[int(k)].append(pool)
+    timings["min_norm"] += time.perf_counter() - clock
 
     clock = time.perf_counter()
     if options.defer_flat and head.domain.bounded:

@@ -19,7 +19,8 @@ residual and adds the rows that would shorten it most; rows that lost their weig
 pool. On the crowded boundaries of low-rank heads (thousands of rows in tens of dimensions,
 most of them vertices) a few rounds settle a token that Frank-Wolfe needs hundreds of
 iterations for; in high dimensions a pool that surrounds w_k needs more than d rows and each
-solve costs O(d^3), so the stage serves heads of at most WIDTH dimensions.
+solve costs O(d^3), so the stage serves every token only on heads of at most WIDTH dimensions; wider
+heads give it the few tokens Frank-Wolfe and Newton leave, which would otherwise take the exact LP.
 
 Like every stage it only proposes: weights go through lp.polish and certify.check_convex,
 witnesses through certify.check_witnesses (lp.try_witness). What it leaves undecided (a
@@ -36,7 +37,8 @@ import torch
 from auditor.engine.arithmetic.head import EngineHead
 from auditor.engine.exact.lp import LpOutcome, polish, try_witness
 
-WIDTH = 256  # heads of at most this many dimensions get the stage
+WIDTH = 256  # heads of at most this many dimensions get the stage before Frank-Wolfe
+LEFTOVERS = True  # wider heads get it after Newton, for the tokens the iterative stages leave (pipeline.py)
 _ADD = 64  # rows priced into the pool each round
 _SETTLED = 1e-9  # a residual below this fraction of the rows' spread: the weights are worth polishing
 
