@@ -210,6 +210,7 @@ def _after_interior(head: EngineHead, out: Decisions, left: np.ndarray, threat: 
     if len(left) and options.newton_iterations > 0:
         release_free_pages()
         left, threat = stages.anchored_stage(head, out, left, threat, options)
+        left, threat = stages.pooled_stage(head, out, left, threat)
     anchored = time.perf_counter() - clock
     clock = time.perf_counter()
     pools, quick = {}, 0.0

@@ -9,6 +9,7 @@ screen's formula witnesses, the bound of its own certified pass).
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from tqdm import tqdm
 from auditor.engine.arithmetic.head import EngineHead
 from auditor.engine.arithmetic.rounding import per_unit_norm, safe_norm
 from auditor.engine.decisions import ARGMAXABLE, INCONCLUSIVE, STAGES, UNDECIDED, Decisions, set_convex, set_witness
+from auditor.engine.exact.caratheodory import lifted_dimension
 from auditor.engine.exact.certify import check_witnesses_sharpened
 from auditor.engine.exact.constraint_generation import lp_decide_all
 from auditor.engine.options import EngineOptions
@@ -30,7 +32,7 @@ from auditor.engine.solvers.anchor import anchored_certificates
 from auditor.engine.solvers.bounded_dual import bounded_dual
 from auditor.engine.solvers.frank_wolfe import frank_wolfe
 from auditor.engine.solvers.interior import interior_certificates
-from auditor.engine.solvers.tilt import tilted_certificates
+from auditor.engine.solvers.tilt import pooled_certificates, tilted_certificates
 from auditor.question.domain import Ball
 
 _DUAL_FACTOR = 4
@@ -217,6 +219,25 @@ def min_norm_stage(head: EngineHead, out: Decisions, left: np.ndarray, threat: n
 def anchored_stage(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray, options: EngineOptions
               ) -> tuple[np.ndarray, np.ndarray]:
     for k, (indices, weights, residual, gap) in anchored_certificates(head, left, options.newton_iterations).items():
+        set_convex(out, k, indices, weights, residual, gap, "newton")
+    keep = out.verdict[left] == UNDECIDED
+    return left[keep], threat[keep]
+
+
+def pooled_stage(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Rows a short way from the centre (rows added near the mean, beyond the interior stage's linear weights):
+    certificates on a pool of 3D rows drawn around each (tilt.pooled_certificates), before Frank-Wolfe and
+    Newton's solves over the whole head. Only rows within sqrt(2 ln(m / D)) of the centre in the metric of
+    the head's covariance try it: about as deep as the hull of m rows of a Gaussian cloud reaches, where a
+    trained head's own rows lie about sqrt(d) out; a token whose pool misses its row costs one pool's solve."""
+    if not len(left) or head.domain.bounded:
+        return left, threat
+    dim = lifted_dimension(head)
+    if head.n_competitors <= dim:
+        return left, threat
+    near = centre_distance(head, left) <= math.sqrt(2.0 * math.log(head.n_competitors / dim))
+    for k, (indices, weights, residual, gap) in pooled_certificates(head, left[near]).items():
         set_convex(out, k, indices, weights, residual, gap, "newton")
     keep = out.verdict[left] == UNDECIDED
     return left[keep], threat[keep]

@@ -38,6 +38,91 @@ def spread_pool(head: EngineHead, seed: int = 0) -> Pool | None:
     return Pool(chosen, lifted_points(head, chosen))
 
 
+_TILTED_POOL = 3  # times D: the rows of a tilted pool (Wendel's bound, as for spread_pool)
+_TILTED_SPREAD = 2  # times the pool: the effective number of rows the tilt must leave to draw from
+
+
+def tilted_pools(head: EngineHead, ids: np.ndarray, points: torch.Tensor | None = None,
+                 lean: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[np.ndarray | None]:
+    """Per token, 3D rows drawn around its own row from the head's competitors, or None where the head has too
+    few rows (fewer than _TILTED_SPREAD pools' worth) for the draw to be spread. With ``points`` (B x d), the
+    rows are drawn around those points instead, ``ids`` giving each its seed (and the row never drawn: -1 for
+    none, with the head's row count as the seed).
+
+    The draw follows the exponential tilt of the rows towards p = w_k that a Gaussian cloud would need:
+    pi_i proportional to exp(t theta . w_i), theta = C^-1 (p - c) (C the head's covariance, c its
+    centre), which moves the mean of rows N(c, C) onto p itself at t = 1. Where that tilt rests on too few
+    rows (its effective number, (sum pi)^2 / sum pi^2, below _TILTED_SPREAD pools), t is lowered until it
+    does not: the pool's centre then lies between c and p. The rows are drawn without replacement by
+    perturbing the log-weights with Gumbel noise and keeping the largest (a draw in proportion to pi), the
+    noise from a generator seeded by k: a token's pool depends on the head and its own id alone, never on
+    the tokens decided with it. The token's own row and copies of rows are never drawn.
+
+    ``lean``: (lambda, B; u, n) adds lambda_j u_i to the log-weights of token j: with u the part of the bias
+    the rows do not fix, in units of its spread (tilt._bias_lean), the pool's rows lean towards larger biases
+    by about lambda spreads without moving their centre in R^d."""
+    size = _TILTED_POOL * lifted_dimension(head)
+    if head.n_competitors - 1 < _TILTED_SPREAD * size or len(ids) == 0:
+        return [None] * len(ids)
+    ids = np.asarray(ids, dtype=np.int64)
+    if points is None:
+        points = head.rows64(torch.as_tensor(ids, device=head.device))
+    theta = (points - head.centre) @ head.precision
+    logits = head.logits(theta) - (theta @ head.centre)[:, None]  # theta . (w_i - c)
+    if head.row_mask is not None:
+        logits += head.row_mask[None, :]
+    if lean is not None:
+        logits += lean[0][:, None] * lean[1][None, :]
+    own = np.flatnonzero(ids >= 0)
+    logits[torch.as_tensor(own, device=head.device), torch.as_tensor(ids[own], device=head.device)] = -torch.inf
+    pools = []
+    for j, token in enumerate(ids.tolist()):
+        scores = logits[j].cpu().numpy()
+        drawn = np.flatnonzero(np.isfinite(scores))
+        scores = scores[drawn]
+        t = _tempered(scores, _TILTED_SPREAD * size)
+        noise = np.random.default_rng(token if token >= 0 else head.n).random(head.n)[drawn]
+        pools.append(np.sort(drawn[_gumbel_top(t * scores, noise, size)]))
+    return pools
+
+
+def weighted_pool(indices: np.ndarray, weights: np.ndarray, k: int, size: int) -> np.ndarray:
+    """``size`` of a dense certificate's rows drawn in proportion to its weights (all positive), without
+    replacement, the noise seeded by k: the rows around its point, as tilted_pools draws them around a row
+    with a Gaussian cloud's tilt, here with the certificate's own (maximum-entropy weights reproduce the
+    point, so it lies among the rows drawn). A function of the certificate and k alone."""
+    noise = np.random.default_rng(k).random(indices.size)
+    return np.sort(indices[_gumbel_top(np.log(weights), noise, size)])
+
+
+def _gumbel_top(log_weights: np.ndarray, noise: np.ndarray, size: int) -> np.ndarray:
+    """Positions of ``size`` items drawn without replacement in proportion to exp(log_weights): the largest
+    log-weights perturbed by Gumbel noise, -log(-log u) for the uniform ``noise`` u."""
+    keys = log_weights - np.log(-np.log(np.maximum(noise, np.finfo(np.float64).tiny)))
+    return np.argpartition(-keys, size - 1)[:size]
+
+
+def _tempered(scores: np.ndarray, spread: float) -> float:
+    """The largest t in [0, 1] (to 2^-20) at which the weights exp(t scores) (finite scores) have an effective
+    number of at least ``spread`` rows; the effective number falls as t grows, from the number of rows at 0."""
+    top = scores.max()
+
+    def effective(t: float) -> float:
+        e = np.exp(t * (scores - top))
+        return float(e.sum() ** 2 / (e * e).sum())
+
+    if effective(1.0) >= spread:
+        return 1.0
+    low, high = 0.0, 1.0
+    while high - low > 2.0**-20:
+        middle = 0.5 * (low + high)
+        if effective(middle) >= spread:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
 def centre_pool(head: EngineHead, spread: Pool) -> tuple[Pool, np.ndarray] | None:
     """At most 2D rows around the centre of the head: those the uniform weights on the competitors pass
     through when moved onto ``spread`` and reduced (from_pool's merge round), and the at most D of them
@@ -196,11 +281,15 @@ def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
     theta = np.zeros(offsets.shape[1])
 
     def weights(t):
-        logits = offsets @ t
-        if prior is not None:
-            logits += prior
-        top = logits.max()
-        pi = np.exp(logits - top)
+        # a step so long that the logits overflow: F is +inf there, and the line search halves it
+        with np.errstate(over="ignore", invalid="ignore"):
+            logits = offsets @ t
+            if prior is not None:
+                logits += prior
+            top = logits.max()
+            if not np.isfinite(top):
+                return None, np.inf, np.inf
+            pi = np.exp(logits - top)  # (a logit below top by more than float64 holds: weight 0)
         total = pi.sum()
         return pi / total, top + np.log(total), abs(float(top))  # F's rounding: about its leading logit's
 
@@ -237,6 +326,8 @@ def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
             hessian = _with_ridge(_hessian(offsets, pi, gradient, dtype))
             step = np.linalg.lstsq(hessian.numpy(), gradient, rcond=None)[0]
             hessian = factor = None
+            if not (np.all(np.isfinite(step)) and np.all(np.isfinite(gradient))):
+                return None  # weights that overflowed or a Hessian of NaN: no direction to step in
         slope = float(gradient @ step)
         if not slope > 0:
             return None
@@ -319,7 +410,8 @@ def linear_weights(points: np.ndarray, centre: PoolCentre, target: np.ndarray) -
 
 def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
                      start: torch.Tensor | None = None, null: np.ndarray | None = None,
-                     centre: PoolCentre | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+                     centre: PoolCentre | None = None, target: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
     """Weights on at most D of the pool's rows (``points`` their lifted points) reproducing token k's row: the
     maximum-entropy weights on the pool (all positive where the row lies inside the pool's hull) and one
     elimination. No dense certificate first: for a row near the pool's centre (a mean-initialised row rounded
@@ -328,9 +420,12 @@ def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
     ``start``: pool_start's factor, the solve starting from uniform weights; or ``centre``: the solve starting
     from the centre's weights (less row k's, for a row of the pool) and factor, the factor kept while its
     chord steps cut the gradient by 30 % (a row near the centre, where the first-order weights of
-    linear_weights turn negative, takes fewer Hessians than from uniform weights)."""
+    linear_weights turn negative, takes fewer Hessians than from uniform weights). ``target``: the point to
+    reproduce, lifted, less its last coordinate (row k's own when None: with a bias, a certificate's point
+    whose bias lies above b_k, as settle._lifted_target makes it)."""
     others = pool.indices != k
-    target = lifted_points(head, np.array([k]))[0, :-1]
+    if target is None:
+        target = lifted_points(head, np.array([k]))[0, :-1]
     if centre is not None:
         spread = maximum_entropy_weights(points[others, :-1], target, start=centre.factor, overwrite=True,
                                          prior=np.log(centre.weights[others]), chord=_CENTRE_CHORD)

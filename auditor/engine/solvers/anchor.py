@@ -44,7 +44,7 @@ from auditor.engine.exact.caratheodory import lifted_dimension, lifted_points, r
 from auditor.engine.exact.certify import check_convex
 from auditor.engine.exact.dual_simplex import Basis
 from auditor.engine.exact.elimination import eliminate
-from auditor.engine.exact.pools import maximum_entropy_weights
+from auditor.engine.exact.pools import maximum_entropy_weights, tilted_pools
 from auditor.engine.solvers.tilt import maximum_entropy, ray_rivals
 
 _REACH = 1e-3  # a ray passing within this many typical spreads of the origin is worth the route
@@ -58,6 +58,8 @@ class _Origin:
         self.point = _given_origin(head)
         self.basis = None
         found = _pooled(head, self.point)
+        if found is None:
+            found = _tilted(head, self.point)
         if found is None:
             found = _whole_head(head, self.point, iterations)
         if found is None:
@@ -97,6 +99,18 @@ def _pooled(head: EngineHead, point: torch.Tensor) -> tuple[np.ndarray, np.ndarr
 
 _POOL_HESSIANS = 12  # the pooled solve's float64 Hessians at most (after at most 8 float32 ones): a pool whose
 # hull misses the point costs up to these m D^2 products before the whole head's solve takes over
+
+
+def _tilted(head: EngineHead, point: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """Maximum-entropy weights for ``point`` on 3D rows drawn around it (pools.tilted_pools), where _pooled's rows
+    are too many a share of the head (a head of fewer than 8 D rows: at 4096 x 512 the whole head's solve took
+    3.2 s), or None when their hull misses it."""
+    chosen = tilted_pools(head, np.array([-1]), point[None, :])[0]
+    if chosen is None:
+        return None
+    weights = maximum_entropy_weights(lifted_points(head, chosen)[:, :-1], point.cpu().numpy(),
+                                      iterations=_POOL_HESSIANS, overwrite=True)
+    return (chosen, weights) if weights is not None else None
 
 
 def _whole_head(head: EngineHead, point: torch.Tensor, iterations: int) -> tuple[np.ndarray, np.ndarray] | None:

@@ -50,7 +50,9 @@ import torch
 
 from auditor.engine.arithmetic.head import EngineHead
 from auditor.engine.arithmetic.rounding import per_unit_norm, safe_norm
+from auditor.engine.exact.caratheodory import Pool, lifted_dimension, lifted_points
 from auditor.engine.exact.certify import check_convex, check_witnesses
+from auditor.engine.exact.pools import pool_certificate, tilted_pools
 
 _BATCH = 16
 _CG_ITERATIONS = 60
@@ -94,6 +96,55 @@ def tilted_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 40,
         if progress is not None:
             progress.update(min(_BATCH, len(ids) - s))
     return found
+
+
+def pooled_certificates(head: EngineHead, ids: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray, float, float]]:
+    """Return ``{k: (indices, weights, residual, bias_gap)}`` on at most D rows for the tokens whose row lies inside
+    the hull of a pool of 3D rows drawn around it (pools.tilted_pools): the maximum-entropy weights on the pool
+    and one elimination (pools.pool_certificate), m D^2 work a Hessian on m = 3D rows in place of Newton's
+    passes over the whole head and a full reduction of its dense weights.
+
+    With a bias the weights must also give the rows an average bias above b_k. Fitted on the rows (_bias_lean),
+    a combination reproducing w_k gives about the bias b(w_k) = mean b + (w_k - c) . beta, give or take the
+    spread sigma_u of the bias about its fit. The weights aim at the lifted point (w_k, T), T = b_k + h,
+    h = max(g / 2, g - sigma_u / 2, sigma_u / 4) with g = b(w_k) - b_k: halfway to the fit, or a quarter spread
+    above b_k where b_k lies above the fit or near it; the pool leans towards larger biases by
+    (T - b(w_k)) / sigma_u spreads where T lies above the fit (at most _POOL_LEAN), and the certificate holds
+    with a bias gap of -h. A head whose rows fix the bias is left to the stages that lean over the whole head
+    (Newton's, the dual's)."""
+    found = {}
+    if len(ids) == 0:
+        return found
+    bias_lean = _bias_lean(head) if head.bias is not None else None
+    if bias_lean is not None and not bias_lean.fitted:
+        return found
+    dim = lifted_dimension(head)
+    for s in range(0, len(ids), _BATCH):
+        batch = ids[s:s + _BATCH]
+        lean, targets = None, lifted_points(head, batch)[:, :-1]
+        if bias_lean is not None:
+            spread = bias_lean.scale
+            below = -bias_lean.direction[torch.as_tensor(batch, device=head.device)].cpu().numpy() * spread  # g
+            above = np.maximum.reduce([0.5 * below, below - 0.5 * spread, np.full_like(below, 0.25 * spread)])  # h
+            steps = np.maximum(above - below, 0.0) / spread  # (T - b(w_k)) / sigma_u
+            keep = steps <= _POOL_LEAN
+            batch, targets, above, steps = batch[keep], targets[keep], above[keep], steps[keep]
+            targets[:, -1] += above
+            lean = (torch.as_tensor(steps, device=head.device), bias_lean.direction)
+        for j, (k, chosen) in enumerate(zip(batch.tolist(), tilted_pools(head, batch, lean=lean))):
+            if chosen is None:
+                continue
+            points = lifted_points(head, chosen)
+            certificate = pool_certificate(head, Pool(chosen, points), points, k, target=targets[j])
+            if certificate is None or certificate[0].size > dim:
+                continue
+            check = check_convex(head, k, *certificate)
+            if check.accepted:
+                found[k] = (*certificate, check.residual, check.bias_gap)
+    return found
+
+
+_POOL_LEAN = 2.0  # spreads of the bias a pool may lean: beyond it the rows that carry such biases are too few
 
 
 def ray_rivals(head: EngineHead, k: torch.Tensor, w_k: torch.Tensor,
@@ -150,6 +201,7 @@ class _Lean:
     direction: torch.Tensor  # n
     scale: float
     fit: torch.Tensor  # d
+    fitted: bool = True  # False where the rows fix the bias (up to rounding) and it is taken whole, unfitted
 
     def point(self, theta: torch.Tensor, lean: float) -> torch.Tensor:
         return self.scale * theta / lean - self.fit[None, :]
@@ -178,7 +230,7 @@ def _bias_lean(head: EngineHead) -> _Lean:
     unexplained = centred - (head.logits(beta[None, :])[0] - float(head.centre @ beta))
     spread_u = float(unexplained[head.competitor].std(correction=0))
     if not spread_u > 2.0**-30 * spread:
-        return _Lean(centred / spread, spread, none)
+        return _Lean(centred / spread, spread, none, fitted=False)
     return _Lean(unexplained / spread_u, spread_u, beta)
 
 
