@@ -9,6 +9,8 @@ On the thread count torch is given (docs/performance.md uses OMP_NUM_THREADS=2, 
 1b. the same head with 8 rows as the fine-tuning tools make them, two of each: transformers' N(mean,
    1e-9 cov), torchtune's and unsloth's exact mean, LlamaFactory's mean + N(0, 1/sqrt(d)), axolotl's
    N(0, 0.02) (no target: rows far from the centre go the whole way, as in the whole audit);
+1c. the same head with 8 rows at mean + s N(0, I), s = 0, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 3e-3 and 1e-2: rows at
+   every distance from the centre, from the interior stage's reach to beyond the hull (issue 47's head);
 2. the Llama-3 vocabulary at width 1024 (128256 x 1024 float32, synthetic as in bench/vocabulary_scale.py)
    with 8 such rows appended (--skip-llama leaves it out: its whole audit takes minutes).
 
@@ -67,6 +69,15 @@ def tools_initialised(vocabulary: np.ndarray, rng: np.random.Generator) -> np.nd
     return np.vstack(rows).astype(np.float32)
 
 
+DISTANCES = (0.0, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 3e-3, 1e-2)
+
+
+def at_distances(vocabulary: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One row at mean + s N(0, I) for each s of DISTANCES."""
+    mean = vocabulary.astype(np.float64).mean(axis=0)
+    return np.stack([mean + s * rng.standard_normal(vocabulary.shape[1]) for s in DISTANCES]).astype(np.float32)
+
+
 def llama_like(n: int = 128256, d: int = 1024, seed: int = 0) -> np.ndarray:
     """A trained-looking head at the Llama-3 vocabulary: rows N(0, I) scaled by log-normal norms around 1."""
     rng = np.random.default_rng(seed)
@@ -91,6 +102,9 @@ def main() -> None:
                                     list(range(vocabulary.shape[0], W.shape[0])), repeats=5))
     W = np.vstack([vocabulary, tools_initialised(vocabulary, np.random.default_rng(33))])
     results["heads"].append(compare("all-MiniLM-L6-v2 + 8 rows as the fine-tuning tools make them", W,
+                                    list(range(vocabulary.shape[0], W.shape[0])), repeats=5))
+    W = np.vstack([vocabulary, at_distances(vocabulary, np.random.default_rng(0))])
+    results["heads"].append(compare("all-MiniLM-L6-v2 + 8 rows at mean + s N(0, I), s from 0 to 1e-2", W,
                                     list(range(vocabulary.shape[0], W.shape[0])), repeats=5))
     if not args.skip_llama:
         base = llama_like()

@@ -13,8 +13,9 @@ or near it, takes the origin's certificate moved to its own point.
 
 The origin's certificate is found once per audit (every rank or block of ids finds the
 same one): maximum-entropy weights on the rows that lead along the first
-Newton step towards the origin (_pooled), or where their hull misses it on all
-rows by Newton's method (tilt.maximum_entropy), reduced to at most D rows
+Newton step towards the origin (_pooled), or on rows drawn around it (_tilted)
+where those would be too many, or where their hull misses it on all rows by
+Newton's method (tilt.maximum_entropy), reduced to at most D rows
 (caratheodory.reduce_support), whose basis on the rows of the reduction's last
 round starts the dual simplex (dual_simplex.Basis) for each token's own point p,
 the point of its ray closest to the origin: a few pivots from the origin's
@@ -103,8 +104,8 @@ _POOL_HESSIANS = 12  # the pooled solve's float64 Hessians at most (after at mos
 
 def _tilted(head: EngineHead, point: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
     """Maximum-entropy weights for ``point`` on 3D rows drawn around it (pools.tilted_pools), where _pooled's rows
-    are too many a share of the head (a head of fewer than 8 D rows: at 4096 x 512 the whole head's solve took
-    3.2 s), or None when their hull misses it."""
+    would be too many a share of the head (the origin near the centre: one standard deviation of the leading
+    direction away at 32768 x 512, 0.05 s), or None when their hull misses it (then the whole head's solve runs)."""
     chosen = tilted_pools(head, np.array([-1]), point[None, :])[0]
     if chosen is None:
         return None
