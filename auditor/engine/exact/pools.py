@@ -3,8 +3,10 @@
 A certificate near the centre of a head (mean-initialised rows) can move most of its mass onto a pool
 of at most 3D rows whose hull surrounds that point, as the maximum-entropy combination that reproduces
 it (weights all positive, found by Newton's method on F(theta) = log sum exp(theta . (x_i - target))),
-and then needs one elimination (elimination.py) instead of a full reduction (caratheodory.py). The
-pools depend on the head alone, so a token's certificate never depends on the tokens decided with it.
+and then needs one elimination (elimination.py) instead of a full reduction (caratheodory.py). A row a
+short way from the centre takes a pool drawn around it (tilted_pools), and a dense certificate a pool drawn
+from its own weights (weighted_pool), in the same way. The pools depend on the head alone (and a token's
+pools on its own id and row), so a token's certificate never depends on the tokens decided with it.
 """
 
 from __future__ import annotations
