@@ -196,3 +196,21 @@ def test_the_origin_takes_a_tilted_pool_where_the_rows_beyond_it_are_too_many(mo
     assert lp_unargmaxable(W, zero[0])
     assert report.tokens[zero[0]].verdict == "tied" and report.tokens[zero[0]].group_verdict == "unargmaxable"
     assert auditor.verify(report, W).ok
+
+
+def test_heads_too_wide_for_pools_take_the_whole_head_path(monkeypatch):
+    """Where a pool's arrays would not fit (the budget lowered to nothing here), no pool is drawn: the pooled
+    stage, the origin's tilted pool and sparsify's weighted pools step aside, and the verdicts are unchanged."""
+    import auditor.engine.exact.pools as pools
+
+    W, planted = cloud_with_planted_rows(9)
+    ids = planted.tolist()
+    with_pools = auditor.audit(W, tokens=ids, progress=False)
+    monkeypatch.setattr(pools, "_POOL_BYTES", 0)
+    head = engine_head(W)
+    assert not pools.drawn_pools_fit(head) and tilted_pools(head, planted) == [None] * len(planted)
+    assert pooled_certificates(head, planted) == {}
+    without = auditor.audit(W, tokens=ids, progress=False)
+    assert [without.tokens[k].verdict for k in ids] == [with_pools.tokens[k].verdict for k in ids]
+    assert all(without._d.convex[k][0].size <= W.shape[1] + 1 for k in ids if k in without._d.convex)
+    assert auditor.verify(without, W).ok

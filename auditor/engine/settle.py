@@ -21,7 +21,7 @@ from auditor.engine.exact.certify import check_convex, check_witnesses, check_wi
 from auditor.engine.exact.dual_simplex import Basis
 from auditor.engine.exact.elimination import eliminate
 from auditor.engine.exact.lp import polish
-from auditor.engine.exact.pools import (centre_pool, from_pool, linear_weights, pool_centre, pool_certificate, pool_start, shared_null_vectors, spread_pool, weighted_pool)
+from auditor.engine.exact.pools import (centre_pool, from_pool, linear_weights, pool_centre, pool_certificate, pool_start, shared_null_vectors, spread_pool, weighted_pool, drawn_pools_fit)
 
 def settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:
     """Accept Frank-Wolfe witnesses in their final form, and its weights where w_k is inside."""
@@ -137,11 +137,12 @@ def _from_weighted_pool(head: EngineHead, out: Decisions, k: int, dim: int) -> b
     """A certificate for token k on at most D rows from a pool of 3D rows drawn in proportion to its dense
     certificate's weights (pools.weighted_pool): the pool's maximum-entropy weights for the same point and one
     elimination, in place of a full reduction's merge rounds over every row of the support (at 32768 x 512,
-    0.4 s against 1.4 s for a planted row's Newton certificate). Only for a support of more than two pools;
-    False where the pool's hull misses the point, which then takes the full reduction."""
+    0.4 s against 1.4 s for a planted row's Newton certificate). Only for a support of more than two pools, on
+    heads narrow enough for pools.drawn_pools_fit; False where the pool's hull misses the point, which then takes
+    the full reduction."""
     indices, weights, _, gap = out.convex[k]
     size = _WEIGHTED_POOL * dim
-    if indices.size <= 2 * size:
+    if indices.size <= 2 * size or not drawn_pools_fit(head):
         return False
     chosen = weighted_pool(indices, weights, k, size)
     points = lifted_points(head, chosen)

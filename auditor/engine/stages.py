@@ -23,6 +23,7 @@ from auditor.engine.decisions import ARGMAXABLE, INCONCLUSIVE, STAGES, UNDECIDED
 from auditor.engine.exact.caratheodory import lifted_dimension
 from auditor.engine.exact.certify import check_witnesses_sharpened
 from auditor.engine.exact.constraint_generation import lp_decide_all
+from auditor.engine.exact.pools import drawn_pools_fit
 from auditor.engine.options import EngineOptions
 from auditor.engine.screen.gram import screen
 from auditor.engine.screen.whitened import whitened_witnesses
@@ -230,8 +231,9 @@ def pooled_stage(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.
     certificates on a pool of 3D rows drawn around each (tilt.pooled_certificates), before Frank-Wolfe and
     Newton's solves over the whole head. Only rows within sqrt(2 ln(m / D)) of the centre in the metric of
     the head's covariance try it: about as deep as the hull of m rows of a Gaussian cloud reaches, where a
-    trained head's own rows lie about sqrt(d) out; a token whose pool misses its row costs one pool's solve."""
-    if not len(left) or head.domain.bounded:
+    trained head's own rows lie about sqrt(d) out; a token whose pool misses its row costs one pool's solve.
+    Heads too wide for such pools (pools.drawn_pools_fit) skip it."""
+    if not len(left) or head.domain.bounded or not drawn_pools_fit(head):
         return left, threat
     dim = lifted_dimension(head)
     if head.n_competitors <= dim:

@@ -42,12 +42,22 @@ def spread_pool(head: EngineHead, seed: int = 0) -> Pool | None:
 
 _TILTED_POOL = 3  # times D: the rows of a tilted pool (Wendel's bound, as for spread_pool)
 _TILTED_SPREAD = 2  # times the pool: the effective number of rows the tilt must leave to draw from
+_POOL_BYTES = 1 << 27  # a drawn pool's float64 points and the solve's copy of them, at most (D <= 1672)
+
+
+def drawn_pools_fit(head: EngineHead) -> bool:
+    """Whether pools of 3D rows drawn around a point fit in _POOL_BYTES: two float64 3D x D arrays (the points and
+    the solve's offsets). On wider heads a pool's solve costs as much as the whole head's path it replaces
+    (32768 x 2048: 93 s against 103 s) and its arrays 0.2 GB, a fifth of a Llama-3 head at that width on top of
+    the audit's peak; there the tokens take Newton's solves over the head and the full reductions."""
+    dim = lifted_dimension(head)
+    return 2 * 8 * _TILTED_POOL * dim * dim <= _POOL_BYTES
 
 
 def tilted_pools(head: EngineHead, ids: np.ndarray, points: torch.Tensor | None = None,
                  lean: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[np.ndarray | None]:
     """Per token, 3D rows drawn around its own row from the head's competitors, or None where the head has too
-    few rows (fewer than _TILTED_SPREAD pools' worth) for the draw to be spread. With ``points`` (B x d), the
+    few rows (fewer than _TILTED_SPREAD pools' worth) for the draw to be spread, or is too wide (drawn_pools_fit). With ``points`` (B x d), the
     rows are drawn around those points instead, ``ids`` giving each its seed (and the row never drawn: -1 for
     none, with the head's row count as the seed).
 
@@ -64,7 +74,7 @@ def tilted_pools(head: EngineHead, ids: np.ndarray, points: torch.Tensor | None 
     the rows do not fix, in units of its spread (tilt._bias_lean), the pool's rows lean towards larger biases
     by about lambda spreads without moving their centre in R^d."""
     size = _TILTED_POOL * lifted_dimension(head)
-    if head.n_competitors - 1 < _TILTED_SPREAD * size or len(ids) == 0:
+    if head.n_competitors - 1 < _TILTED_SPREAD * size or len(ids) == 0 or not drawn_pools_fit(head):
         return [None] * len(ids)
     ids = np.asarray(ids, dtype=np.int64)
     if points is None:
