@@ -214,3 +214,46 @@ def test_heads_too_wide_for_pools_take_the_whole_head_path(monkeypatch):
     assert [without.tokens[k].verdict for k in ids] == [with_pools.tokens[k].verdict for k in ids]
     assert all(without._d.convex[k][0].size <= W.shape[1] + 1 for k in ids if k in without._d.convex)
     assert auditor.verify(without, W).ok
+
+
+def test_biases_no_lean_can_move_skip_the_pools():
+    """All biases one (a constant the normal form does not see here, as a derived head's may be) or a bias that is
+    a linear function of the rows: no combination reproducing w_k has an average bias other than b_k's fit, so
+    no pool is solved for a gap it cannot have."""
+    W, planted = cloud_with_planted_rows(10)
+    rows = torch.from_numpy(W)
+    for biases in (torch.full((W.shape[0],), 0.5, dtype=torch.float64), rows.double() @ torch.linspace(-1, 1, W.shape[1]).double()):
+        head = build_engine_head(rows, biases, duplicate_groups(rows, biases), Unbounded(), 1e-10)
+        assert pooled_certificates(head, planted) == {}
+
+
+def test_a_biased_dense_certificate_reduces_through_its_weighted_pool_with_a_gap_below_zero(monkeypatch):
+    """With a bias, Newton's dense certificates (pooled stage off, Frank-Wolfe held to two iterations) reduce
+    through pools drawn from their weights, aiming at b_k less half the dense gap: the reduced certificates keep a
+    bias gap below zero, and the verdicts are the plain LP's."""
+    import auditor.engine.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline.corrective, "WIDTH", 8)
+    W, planted = cloud_with_planted_rows(11)
+    b = (0.25 * np.random.default_rng(11).standard_normal(W.shape[0])).astype(np.float32)
+    monkeypatch.setattr(stages, "pooled_stage", lambda head, out, left, threat: (left, threat))
+    pooled = []
+    original = settle._from_weighted_pool
+
+    def recording(head, out, k, dim):
+        done = original(head, out, k, dim)
+        if done:
+            pooled.append(k)
+        return done
+
+    monkeypatch.setattr(settle, "_from_weighted_pool", recording)
+    ids = planted.tolist()
+    report = auditor.audit(W, b, tokens=ids, frank_wolfe_iterations=2, progress=False)
+    assert pooled
+    for k in ids:
+        unargmaxable = lp_margin(W.astype(np.float64), b.astype(np.float64), k)[0] <= 1e-9
+        assert report.tokens[k].verdict == ("unargmaxable" if unargmaxable else "argmaxable")
+    for k in pooled:
+        indices, weights = report._d.convex[k][:2]
+        assert indices.size <= W.shape[1] + 2 and convex_residual(W, b, k, indices, weights)[1] < 0
+    assert auditor.verify(report, W, b).ok

@@ -21,7 +21,7 @@ from auditor.engine.exact.certify import check_convex, check_witnesses, check_wi
 from auditor.engine.exact.dual_simplex import Basis
 from auditor.engine.exact.elimination import eliminate
 from auditor.engine.exact.lp import polish
-from auditor.engine.exact.pools import (centre_pool, from_pool, linear_weights, pool_centre, pool_certificate, pool_start, shared_null_vectors, spread_pool, weighted_pool, drawn_pools_fit)
+from auditor.engine.exact.pools import (centre_pool, from_pool, linear_weights, pool_centre, pool_certificate, pool_start, shared_null_vectors, spread_pool, weighted_pool, drawn_pools_fit, POOL_HESSIANS)
 
 def settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:
     """Accept Frank-Wolfe witnesses in their final form, and its weights where w_k is inside."""
@@ -97,9 +97,10 @@ def sparsify(head: EngineHead, out: Decisions, routes: CentreRoutes | None = Non
     dense certificate stands. Certificates whose bulk lies near the centre of
     the head (those of the interior stage, where mean-initialised rows go, and
     without a bias any whose heaviest row holds at most 10 % of the weight) first try routes
-    through rows around the centre (CentreRoutes). Any other dense certificate first
-    tries a pool of 3D rows drawn in proportion to its own weights (_from_weighted_pool),
-    as the interior stage's do where the routes miss. What is left takes full
+    through rows around the centre (CentreRoutes); every other dense certificate (unbounded
+    domain) first tries a pool of 3D rows drawn in proportion to its own weights
+    (_from_weighted_pool), before those routes where it has them, and so do the interior
+    stage's where the routes miss. What is left takes full
     reductions together (caratheodory.reduce_supports): the elimination steps of
     up to 8 of them are one batch of tensor operations.
     ``routes`` are those an earlier stage built (the few-token route of pipeline.py), reused.
@@ -142,11 +143,13 @@ def _from_weighted_pool(head: EngineHead, out: Decisions, k: int, dim: int) -> b
     the full reduction."""
     indices, weights, _, gap = out.convex[k]
     size = _WEIGHTED_POOL * dim
-    if indices.size <= 2 * size or not drawn_pools_fit(head):
+    # a bounded domain's dense weights need not reproduce w_k (their dual value is what they prove)
+    if indices.size <= 2 * size or head.domain.bounded or not drawn_pools_fit(head):
         return False
     chosen = weighted_pool(indices, weights, k, size)
     points = lifted_points(head, chosen)
-    found = pool_certificate(head, Pool(chosen, points), points, k, target=_lifted_target(head, k, gap)[:-1])
+    found = pool_certificate(head, Pool(chosen, points), points, k, target=_lifted_target(head, k, gap)[:-1],
+                             iterations=POOL_HESSIANS)
     if found is None or found[0].size > dim:
         return False
     check = check_convex(head, k, *found)

@@ -231,13 +231,12 @@ def pooled_stage(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.
     certificates on a pool of 3D rows drawn around each (tilt.pooled_certificates), before Frank-Wolfe and
     Newton's solves over the whole head. Only rows within sqrt(2 ln(m / D)) of the centre in the metric of
     the head's covariance try it: about as deep as the hull of m rows of a Gaussian cloud reaches, where a
-    trained head's own rows lie about sqrt(d) out; a token whose pool misses its row costs one pool's solve.
-    Heads too wide for such pools (pools.drawn_pools_fit) skip it."""
+    trained head's own rows lie about sqrt(d) out; a token whose pool misses its row costs one pool's solve (at
+    most 8 float32 and pools.POOL_HESSIANS float64 Hessians of 3D x D). Heads too wide for such pools, or with too
+    few rows (pools.drawn_pools_fit), skip it."""
     if not len(left) or head.domain.bounded or not drawn_pools_fit(head):
         return left, threat
-    dim = lifted_dimension(head)
-    if head.n_competitors <= dim:
-        return left, threat
+    dim = lifted_dimension(head)  # (drawn_pools_fit: the head has more than 6D rows)
     near = centre_distance(head, left) <= math.sqrt(2.0 * math.log(head.n_competitors / dim))
     for k, (indices, weights, residual, gap) in pooled_certificates(head, left[near]).items():
         set_convex(out, k, indices, weights, residual, gap, "newton")

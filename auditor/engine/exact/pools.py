@@ -41,60 +41,63 @@ def spread_pool(head: EngineHead, seed: int = 0) -> Pool | None:
 
 
 _TILTED_POOL = 3  # times D: the rows of a tilted pool (Wendel's bound, as for spread_pool)
-_TILTED_SPREAD = 2  # times the pool: the effective number of rows the tilt must leave to draw from
+_TILTED_ROWS = 2  # times the pool: the rows a head needs for pools to be drawn from it
 _POOL_BYTES = 1 << 27  # a drawn pool's float64 points and the solve's copy of them, at most (D <= 1672)
+POOL_HESSIANS = 12  # a pool's float64 Hessians at most (after at most 8 float32 ones): what a pool whose hull misses
+#                    the point costs, in m D^2 products, before the stage after it takes over
 
 
 def drawn_pools_fit(head: EngineHead) -> bool:
-    """Whether pools of 3D rows drawn around a point fit in _POOL_BYTES: two float64 3D x D arrays (the points and
-    the solve's offsets). On wider heads a pool's solve costs as much as the whole head's path it replaces
-    (32768 x 2048: 93 s against 103 s) and its arrays 0.2 GB, a fifth of a Llama-3 head at that width on top of
-    the audit's peak; there the tokens take Newton's solves over the head and the full reductions."""
+    """Whether pools of 3D rows can be drawn around a point: the head has at least twice as many other rows, and
+    two float64 3D x D arrays (the points and the solve's offsets) fit in _POOL_BYTES. On wider heads a pool's
+    solve costs about what it saves (32768 x 2048: 93 s against 103 s) and its arrays take 0.2 GB, a fifth of a
+    Llama-3 head at that width on top of the audit's peak; there the tokens take Newton's solves over the head
+    and the full reductions."""
     dim = lifted_dimension(head)
-    return 2 * 8 * _TILTED_POOL * dim * dim <= _POOL_BYTES
+    return (head.n_competitors - 1 >= _TILTED_ROWS * _TILTED_POOL * dim
+            and 2 * 8 * _TILTED_POOL * dim * dim <= _POOL_BYTES)
 
 
 def tilted_pools(head: EngineHead, ids: np.ndarray, points: torch.Tensor | None = None,
                  lean: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[np.ndarray | None]:
-    """Per token, 3D rows drawn around its own row from the head's competitors, or None where the head has too
-    few rows (fewer than _TILTED_SPREAD pools' worth) for the draw to be spread, or is too wide (drawn_pools_fit). With ``points`` (B x d), the
-    rows are drawn around those points instead, ``ids`` giving each its seed (and the row never drawn: -1 for
-    none, with the head's row count as the seed).
+    """Per token, 3D rows drawn around its own row from the head's competitors, or None where no pools are drawn
+    (drawn_pools_fit). With ``points`` (B x d), the rows are drawn around those points instead, ``ids`` giving
+    each its seed (and the row never drawn: -1 for none, with the head's row count as the seed).
 
     The draw follows the exponential tilt of the rows towards p = w_k that a Gaussian cloud would need:
-    pi_i proportional to exp(t theta . w_i), theta = C^-1 (p - c) (C the head's covariance, c its
-    centre), which moves the mean of rows N(c, C) onto p itself at t = 1. Where that tilt rests on too few
-    rows (its effective number, (sum pi)^2 / sum pi^2, below _TILTED_SPREAD pools), t is lowered until it
-    does not: the pool's centre then lies between c and p. The rows are drawn without replacement by
-    perturbing the log-weights with Gumbel noise and keeping the largest (a draw in proportion to pi), the
-    noise from a generator seeded by k: a token's pool depends on the head and its own id alone, never on
-    the tokens decided with it. The token's own row and copies of rows are never drawn.
+    pi_i proportional to exp(theta . w_i), theta = C^-1 (p - c) (C the head's covariance, c its centre), which
+    moves the mean of rows N(c, C) onto p itself. The rows are drawn without replacement in proportion to pi,
+    by perturbing the log-weights with Gumbel noise and keeping the largest. Near the centre pi is nearly
+    uniform and the pool a cloud around p; further out (trained heads have heavier tails than a Gaussian, so
+    the tilt rests on a few rows) it is the rows that lead furthest along theta, those beyond p with the
+    noise's draw of the rest around them, as the origin's pool is (anchor._pooled). The noise comes from a
+    generator seeded by k, and each token's scores from a product of its own (no batch whose rounding could
+    differ with the tokens in it): a token's pool depends on the head and its own id alone, never on the
+    tokens decided with it. The token's own row and copies of rows are never drawn.
 
     ``lean``: (lambda, B; u, n) adds lambda_j u_i to the log-weights of token j: with u the part of the bias
     the rows do not fix, in units of its spread (tilt._bias_lean), the pool's rows lean towards larger biases
     by about lambda spreads without moving their centre in R^d."""
-    size = _TILTED_POOL * lifted_dimension(head)
-    if head.n_competitors - 1 < _TILTED_SPREAD * size or len(ids) == 0 or not drawn_pools_fit(head):
+    if len(ids) == 0 or not drawn_pools_fit(head):
         return [None] * len(ids)
+    size = _TILTED_POOL * lifted_dimension(head)
     ids = np.asarray(ids, dtype=np.int64)
     if points is None:
         points = head.rows64(torch.as_tensor(ids, device=head.device))
-    theta = (points - head.centre) @ head.precision
-    logits = head.logits(theta) - (theta @ head.centre)[:, None]  # theta . (w_i - c)
-    if head.row_mask is not None:
-        logits += head.row_mask[None, :]
-    if lean is not None:
-        logits += lean[0][:, None] * lean[1][None, :]
-    own = np.flatnonzero(ids >= 0)
-    logits[torch.as_tensor(own, device=head.device), torch.as_tensor(ids[own], device=head.device)] = -torch.inf
     pools = []
     for j, token in enumerate(ids.tolist()):
-        scores = logits[j].cpu().numpy()
+        theta = (points[j:j + 1] - head.centre) @ head.precision
+        scores = head.logits(theta)[0] - float(theta[0] @ head.centre)  # theta . (w_i - c)
+        if head.row_mask is not None:
+            scores += head.row_mask
+        if lean is not None:
+            scores += lean[0][j] * lean[1]
+        if token >= 0:
+            scores[token] = -torch.inf
+        scores = scores.cpu().numpy()
         drawn = np.flatnonzero(np.isfinite(scores))
-        scores = scores[drawn]
-        t = _tempered(scores, _TILTED_SPREAD * size)
         noise = np.random.default_rng(token if token >= 0 else head.n).random(head.n)[drawn]
-        pools.append(np.sort(drawn[_gumbel_top(t * scores, noise, size)]))
+        pools.append(np.sort(drawn[_gumbel_top(scores[drawn], noise, min(size, drawn.size))]))
     return pools
 
 
@@ -104,7 +107,9 @@ def weighted_pool(indices: np.ndarray, weights: np.ndarray, k: int, size: int) -
     with a Gaussian cloud's tilt, here with the certificate's own (maximum-entropy weights reproduce the
     point, so it lies among the rows drawn). A function of the certificate and k alone."""
     noise = np.random.default_rng(k).random(indices.size)
-    return np.sort(indices[_gumbel_top(np.log(weights), noise, size)])
+    positive = weights > 0  # (a support may carry zero weights)
+    keep = _gumbel_top(np.log(weights[positive]), noise[positive], min(size, int(positive.sum())))
+    return np.sort(indices[positive][keep])
 
 
 def _gumbel_top(log_weights: np.ndarray, noise: np.ndarray, size: int) -> np.ndarray:
@@ -112,27 +117,6 @@ def _gumbel_top(log_weights: np.ndarray, noise: np.ndarray, size: int) -> np.nda
     log-weights perturbed by Gumbel noise, -log(-log u) for the uniform ``noise`` u."""
     keys = log_weights - np.log(-np.log(np.maximum(noise, np.finfo(np.float64).tiny)))
     return np.argpartition(-keys, size - 1)[:size]
-
-
-def _tempered(scores: np.ndarray, spread: float) -> float:
-    """The largest t in [0, 1] (to 2^-20) at which the weights exp(t scores) (finite scores) have an effective
-    number of at least ``spread`` rows; the effective number falls as t grows, from the number of rows at 0."""
-    top = scores.max()
-
-    def effective(t: float) -> float:
-        e = np.exp(t * (scores - top))
-        return float(e.sum() ** 2 / (e * e).sum())
-
-    if effective(1.0) >= spread:
-        return 1.0
-    low, high = 0.0, 1.0
-    while high - low > 2.0**-20:
-        middle = 0.5 * (low + high)
-        if effective(middle) >= spread:
-            low = middle
-        else:
-            high = middle
-    return low
 
 
 def centre_pool(head: EngineHead, spread: Pool) -> tuple[Pool, np.ndarray] | None:
@@ -422,8 +406,8 @@ def linear_weights(points: np.ndarray, centre: PoolCentre, target: np.ndarray) -
 
 def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
                      start: torch.Tensor | None = None, null: np.ndarray | None = None,
-                     centre: PoolCentre | None = None, target: np.ndarray | None = None
-                     ) -> tuple[np.ndarray, np.ndarray] | None:
+                     centre: PoolCentre | None = None, target: np.ndarray | None = None,
+                     iterations: int = 60) -> tuple[np.ndarray, np.ndarray] | None:
     """Weights on at most D of the pool's rows (``points`` their lifted points) reproducing token k's row: the
     maximum-entropy weights on the pool (all positive where the row lies inside the pool's hull) and one
     elimination. No dense certificate first: for a row near the pool's centre (a mean-initialised row rounded
@@ -434,15 +418,15 @@ def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
     chord steps cut the gradient by 30 % (a row near the centre, where the first-order weights of
     linear_weights turn negative, takes fewer Hessians than from uniform weights). ``target``: the point to
     reproduce, lifted, less its last coordinate (row k's own when None: with a bias, a certificate's point
-    whose bias lies above b_k, as settle._lifted_target makes it)."""
+    whose bias lies above b_k, as settle._lifted_target makes it). ``iterations``: the float64 Hessians at most."""
     others = pool.indices != k
     if target is None:
         target = lifted_points(head, np.array([k]))[0, :-1]
     if centre is not None:
-        spread = maximum_entropy_weights(points[others, :-1], target, start=centre.factor, overwrite=True,
+        spread = maximum_entropy_weights(points[others, :-1], target, iterations, start=centre.factor, overwrite=True,
                                          prior=np.log(centre.weights[others]), chord=_CENTRE_CHORD)
     else:
-        spread = maximum_entropy_weights(points[others, :-1], target, start=start, overwrite=True)  # a copy, spent
+        spread = maximum_entropy_weights(points[others, :-1], target, iterations, start=start, overwrite=True)  # a copy, spent
     if spread is None:
         return None
     alpha = eliminate(points[others], spread, null if others.all() else None)

@@ -14,7 +14,7 @@ or near it, takes the origin's certificate moved to its own point.
 The origin's certificate is found once per audit (every rank or block of ids finds the
 same one): maximum-entropy weights on the rows that lead along the first
 Newton step towards the origin (_pooled), or on rows drawn around it (_tilted)
-where those would be too many, or where their hull misses it on all rows by
+where that pool declines or misses, or where their hulls miss it on all rows by
 Newton's method (tilt.maximum_entropy), reduced to at most D rows
 (caratheodory.reduce_support), whose basis on the rows of the reduction's last
 round starts the dual simplex (dual_simplex.Basis) for each token's own point p,
@@ -45,7 +45,7 @@ from auditor.engine.exact.caratheodory import lifted_dimension, lifted_points, r
 from auditor.engine.exact.certify import check_convex
 from auditor.engine.exact.dual_simplex import Basis
 from auditor.engine.exact.elimination import eliminate
-from auditor.engine.exact.pools import maximum_entropy_weights, tilted_pools
+from auditor.engine.exact.pools import POOL_HESSIANS, maximum_entropy_weights, tilted_pools
 from auditor.engine.solvers.tilt import maximum_entropy, ray_rivals
 
 _REACH = 1e-3  # a ray passing within this many typical spreads of the origin is worth the route
@@ -93,24 +93,21 @@ def _pooled(head: EngineHead, point: torch.Tensor) -> tuple[np.ndarray, np.ndarr
     chosen = np.sort(rivals.cpu().numpy()[np.argsort(-scores, kind="stable")[:size]])
     points = lifted_points(head, chosen)
     # the lifted points are spent by the solve (reduce_support gathers its own)
-    weights = maximum_entropy_weights(points[:, :-1], point.cpu().numpy(), iterations=_POOL_HESSIANS,
+    weights = maximum_entropy_weights(points[:, :-1], point.cpu().numpy(), iterations=POOL_HESSIANS,
                                       overwrite=True)
     return (chosen, weights) if weights is not None else None
 
 
-_POOL_HESSIANS = 12  # the pooled solve's float64 Hessians at most (after at most 8 float32 ones): a pool whose
-# hull misses the point costs up to these m D^2 products before the whole head's solve takes over
-
-
 def _tilted(head: EngineHead, point: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
-    """Maximum-entropy weights for ``point`` on 3D rows drawn around it (pools.tilted_pools), where _pooled's rows
-    would be too many a share of the head (the origin near the centre: one standard deviation of the leading
-    direction away at 32768 x 512, 0.05 s), or None when their hull misses it (then the whole head's solve runs)."""
+    """Maximum-entropy weights for ``point`` on 3D rows drawn around it (pools.tilted_pools), where _pooled declines
+    (its rows would be too many a share of the head, as for the origin one standard deviation of the leading
+    direction from the centre at 32768 x 512: 0.05 s; or too few lie beyond it) or its hull misses the point;
+    None when this pool's hull misses it too (then the whole head's solve runs)."""
     chosen = tilted_pools(head, np.array([-1]), point[None, :])[0]
     if chosen is None:
         return None
     weights = maximum_entropy_weights(lifted_points(head, chosen)[:, :-1], point.cpu().numpy(),
-                                      iterations=_POOL_HESSIANS, overwrite=True)
+                                      iterations=POOL_HESSIANS, overwrite=True)
     return (chosen, weights) if weights is not None else None
 
 

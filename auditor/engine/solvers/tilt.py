@@ -52,7 +52,7 @@ from auditor.engine.arithmetic.head import EngineHead
 from auditor.engine.arithmetic.rounding import per_unit_norm, safe_norm
 from auditor.engine.exact.caratheodory import Pool, lifted_dimension, lifted_points
 from auditor.engine.exact.certify import check_convex, check_witnesses
-from auditor.engine.exact.pools import pool_certificate, tilted_pools
+from auditor.engine.exact.pools import POOL_HESSIANS, pool_certificate, tilted_pools
 
 _BATCH = 16
 _CG_ITERATIONS = 60
@@ -107,11 +107,12 @@ def pooled_certificates(head: EngineHead, ids: np.ndarray) -> dict[int, tuple[np
     With a bias the weights must also give the rows an average bias above b_k. Fitted on the rows (_bias_lean),
     a combination reproducing w_k gives about the bias b(w_k) = mean b + (w_k - c) . beta, give or take the
     spread sigma_u of the bias about its fit. The weights aim at the lifted point (w_k, T), T = b_k + h,
-    h = max(g / 2, g - sigma_u / 2, sigma_u / 4) with g = b(w_k) - b_k: halfway to the fit, or a quarter spread
-    above b_k where b_k lies above the fit or near it; the pool leans towards larger biases by
-    (T - b(w_k)) / sigma_u spreads where T lies above the fit (at most _POOL_LEAN), and the certificate holds
-    with a bias gap of -h. A head whose rows fix the bias is left to the stages that lean over the whole head
-    (Newton's, the dual's)."""
+    h = max(g / 2, g - sigma_u / 2, sigma_u / 4) with g = b(w_k) - b_k: halfway to the fit, or half a spread
+    below it when the fit lies further above b_k, or a quarter spread above b_k where b_k lies above the fit
+    or near it; the pool leans towards larger biases by (T - b(w_k)) / sigma_u spreads where T lies above the
+    fit, and the certificate holds with a bias gap of -h. A token that would need a lean above _POOL_LEAN, and a
+    head whose biases no lean can move (all one, or fixed by the rows), are left to the stages that lean over
+    the whole head (Newton's, the dual's)."""
     found = {}
     if len(ids) == 0:
         return found
@@ -135,7 +136,8 @@ def pooled_certificates(head: EngineHead, ids: np.ndarray) -> dict[int, tuple[np
             if chosen is None:
                 continue
             points = lifted_points(head, chosen)
-            certificate = pool_certificate(head, Pool(chosen, points), points, k, target=targets[j])
+            certificate = pool_certificate(head, Pool(chosen, points), points, k, target=targets[j],
+                                           iterations=POOL_HESSIANS)
             if certificate is None or certificate[0].size > dim:
                 continue
             check = check_convex(head, k, *certificate)
@@ -201,7 +203,7 @@ class _Lean:
     direction: torch.Tensor  # n
     scale: float
     fit: torch.Tensor  # d
-    fitted: bool = True  # False where the rows fix the bias (up to rounding) and it is taken whole, unfitted
+    fitted: bool = True  # False where no lean can move the bias: all one, or fixed by the rows up to rounding
 
     def point(self, theta: torch.Tensor, lean: float) -> torch.Tensor:
         return self.scale * theta / lean - self.fit[None, :]
@@ -223,7 +225,7 @@ def _bias_lean(head: EngineHead) -> _Lean:
     spread = float(bias.std(correction=0)) if bias.numel() > 1 else 0.0
     none = torch.zeros(head.d, dtype=torch.float64, device=head.device)
     if not spread > 0:
-        return _Lean(torch.zeros_like(head.bias), 1.0, none)
+        return _Lean(torch.zeros_like(head.bias), 1.0, none, fitted=False)
     centred = head.bias - float(bias.mean())
     cross = head.combine(torch.where(head.competitor, centred, torch.zeros_like(centred))[None, :])[0] / bias.numel()
     beta = head.precision @ cross  # (1/m) sum_i (w_i - c) (b_i - mean b): the w_i - c sum to 0 over the competitors
