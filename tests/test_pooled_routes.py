@@ -69,7 +69,7 @@ def test_pooled_certificates_match_the_plain_lp_and_do_not_depend_on_the_batch()
     W, planted = cloud_with_planted_rows(2)
     head = engine_head(W)
     found = pooled_certificates(head, planted)
-    # every row within the Gaussian reach of this head's hull is found: sqrt(2 ln(n / D)) is 3.0 here
+    # the rows at 0.3, 0.8 and 1.4 are found (well within sqrt(2 ln(n / D)) = 3.0, the stage's reach here)
     near = planted[: 3 * RADII.index(1.4) + 3]
     assert set(near.tolist()) <= set(found)
     for k, (indices, weights, residual, gap) in found.items():

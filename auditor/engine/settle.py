@@ -21,7 +21,9 @@ from auditor.engine.exact.certify import check_convex, check_witnesses, check_wi
 from auditor.engine.exact.dual_simplex import Basis
 from auditor.engine.exact.elimination import eliminate
 from auditor.engine.exact.lp import polish
-from auditor.engine.exact.pools import (centre_pool, from_pool, linear_weights, pool_centre, pool_certificate, pool_start, shared_null_vectors, spread_pool, weighted_pool, drawn_pools_fit, POOL_HESSIANS)
+from auditor.engine.exact.pools import (POOL_HESSIANS, centre_pool, drawn_pools_fit, from_pool, linear_weights, pool_centre,
+                                        pool_certificate, pool_start, shared_null_vectors, spread_pool, weighted_pool)
+from auditor.engine.solvers.tilt import bias_can_lean
 
 def settle_frank_wolfe(head: EngineHead, out: Decisions, ids: np.ndarray, outcomes, seeds, lower, upper) -> None:
     """Accept Frank-Wolfe witnesses in their final form, and its weights where w_k is inside."""
@@ -116,17 +118,18 @@ def sparsify(head: EngineHead, out: Decisions, routes: CentreRoutes | None = Non
     routed = set(near)
     # a pool drawn from the weights of a dense certificate (Newton's, Frank-Wolfe's) holds its point; the
     # interior stage's weights are the centre's, nearly uniform, and its tokens take the centre's routes first
-    left = [k for k in dense if k not in routed and not _from_weighted_pool(head, out, k, dim)]
+    weighted = (bool(dense) and not head.domain.bounded and drawn_pools_fit(head) and bias_can_lean(head))
+    left = [k for k in dense if k not in routed and not (weighted and _from_weighted_pool(head, out, k, dim))]
     for k in near:
         interior = out.stage[k] == STAGES.index("interior")
-        if not interior and _from_weighted_pool(head, out, k, dim):
+        if not interior and weighted and _from_weighted_pool(head, out, k, dim):
             continue
         reduced = routes.reduce(k, *out.convex[k], interior=interior)
         if reduced is None:
             left.append(k)
         else:
             set_convex(out, k, *reduced, STAGES[int(out.stage[k])])
-    left = [k for k in left if out.stage[k] != STAGES.index("interior") or not _from_weighted_pool(head, out, k, dim)]
+    left = [k for k in left if out.stage[k] != STAGES.index("interior") or not (weighted and _from_weighted_pool(head, out, k, dim))]
     for k, (support, alpha) in zip(left, reduce_supports(head, [out.convex[k][:2] for k in left])):
         _record(head, out, k, support, alpha, dim)
 
@@ -138,13 +141,13 @@ def _from_weighted_pool(head: EngineHead, out: Decisions, k: int, dim: int) -> b
     """A certificate for token k on at most D rows from a pool of 3D rows drawn in proportion to its dense
     certificate's weights (pools.weighted_pool): the pool's maximum-entropy weights for the same point and one
     elimination, in place of a full reduction's merge rounds over every row of the support (at 32768 x 512,
-    0.4 s against 1.4 s for a planted row's Newton certificate). Only for a support of more than two pools, on
-    heads narrow enough for pools.drawn_pools_fit; False where the pool's hull misses the point, which then takes
-    the full reduction."""
+    0.4 s against 1.4 s for a planted row's Newton certificate). Only for a support of more than two pools (and
+    sparsify calls it only in the unbounded domain, whose certificates reproduce w_k, on heads narrow enough for
+    pools.drawn_pools_fit, and where the bias can lean: tilt.bias_can_lean); False where the pool's hull misses
+    the point, which then takes the full reduction."""
     indices, weights, _, gap = out.convex[k]
     size = _WEIGHTED_POOL * dim
-    # a bounded domain's dense weights need not reproduce w_k (their dual value is what they prove)
-    if indices.size <= 2 * size or head.domain.bounded or not drawn_pools_fit(head):
+    if indices.size <= 2 * size:
         return False
     chosen = weighted_pool(indices, weights, k, size)
     points = lifted_points(head, chosen)

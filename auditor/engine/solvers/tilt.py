@@ -209,6 +209,14 @@ class _Lean:
         return self.scale * theta / lean - self.fit[None, :]
 
 
+def bias_can_lean(head: EngineHead) -> bool:
+    """Whether combinations reproducing a point can differ in their average bias (_bias_lean): not where the
+    biases are all one or a linear function of the rows up to rounding (a LayerNorm's shift on the norm domain's
+    reduced head), where every certificate's bias gap is zero up to rounding and only an exact reduction keeps
+    it; True without a bias."""
+    return head.bias is None or _bias_lean(head).fitted
+
+
 def _bias_lean(head: EngineHead) -> _Lean:
     """The part of the bias the rows do not fix, in units of its spread: u_i / sigma_u.
 
