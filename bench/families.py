@@ -1,7 +1,7 @@
 """Audit time over a family of heads, the slowest member as the figure.
 
     python bench/families.py [--size N,D] [--members NAME,...] [--skip NAME,...] [--list] [--threads T]
-                             [--device cpu|cuda] [--verify first|all|none] [--seed S] [--json]
+                             [--device cpu|cuda] [--verify first|all|none] [--seed S] [--pool-bytes B] [--json]
 
 A benchmark's head is one head; users' heads differ from it in their spectrum,
 their shape, the rows planted in them, their storage and their domain. This
@@ -33,6 +33,10 @@ auditor.verify (--verify). The members, one difference from the base each:
 - the norm domain (a LayerNorm: gain U[0.85, 1.15], shift 0.04 N(0, 1), eps 1e-12);
 - a bias 0.25 N(0, 1), unbounded and in the ball of radius 8;
 - and the steep spectrum (a = 1.2) in bfloat16, in the norm domain and with rogue directions.
+
+``--pool-bytes`` sets the memory a pool drawn around a point may take (auditor.engine.exact.pools._POOL_BYTES,
+128 MiB, D <= 1672): 0 turns the pools off, a large value turns them on for wider heads, to measure the
+size rule from both sides.
 
 For each member it prints the floor, the audit, their ratio, the time per stage,
 the tokens each stage decided, peak memory beyond the head (as a fraction of a
@@ -229,8 +233,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verify", default="first", choices=("first", "all", "none"))
+    parser.add_argument("--pool-bytes", type=float, help="the memory a drawn pool may take (0: no pools)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.pool_bytes is not None:
+        import auditor.engine.exact.pools as pools
+        pools._POOL_BYTES = int(args.pool_bytes)
     if args.list:
         print("\n".join(m.name for m in MEMBERS))
         return

@@ -42,7 +42,8 @@ def spread_pool(head: EngineHead, seed: int = 0) -> Pool | None:
 
 _TILTED_POOL = 3  # times D: the rows of a tilted pool (Wendel's bound, as for spread_pool)
 _TILTED_ROWS = 2  # times the pool: the rows a head needs for pools to be drawn from it
-_POOL_BYTES = 1 << 27  # a drawn pool's float64 points and the solve's copy of them, at most (D <= 1672)
+_POOL_BYTES = 1 << 27  # a drawn pool's float64 points and the solve's copy of them, at most (D <= 1672);
+#                       bench/families.py --pool-bytes sets it
 POOL_HESSIANS = 12  # a pool's float64 Hessians at most (after at most 8 float32 ones): what a pool whose hull misses
 #                    the point costs, in m D^2 products, before the stage after it takes over
 
@@ -50,7 +51,8 @@ POOL_HESSIANS = 12  # a pool's float64 Hessians at most (after at most 8 float32
 def drawn_pools_fit(head: EngineHead) -> bool:
     """Whether pools of 3D rows can be drawn around a point: the head has at least twice as many other rows, and
     two float64 3D x D arrays (the points and the solve's offsets) fit in _POOL_BYTES. On wider heads a pool's
-    solve costs about what it saves (32768 x 2048: 93 s against 103 s) and its arrays take 0.2 GB, a fifth of a
+    solve (3 D^3 a Hessian) costs more than it saves (bench/families.py's base member at 32768 x 2048: 102 s with
+    pools, 91 s without; at 32768 x 1024, 21 s with them, 28 s without) and its arrays take 0.2 GB, a fifth of a
     Llama-3 head at that width on top of the audit's peak; there the tokens take Newton's solves over the head
     and the full reductions."""
     dim = lifted_dimension(head)
