@@ -84,6 +84,9 @@ def test_pooled_certificates_match_the_plain_lp_and_do_not_depend_on_the_batch()
 def test_audit_with_the_pooled_stage_gives_the_plain_lp_verdicts(monkeypatch, seed):
     """The whole audit decides the planted rows, and the rows the pooled stage takes, as the plain LP does, with
     and without the pooled stage, which decides at least six planted rows before Frank-Wolfe sees them."""
+    import auditor.engine.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline.corrective, "WIDTH", 8)  # as on a head of d > 256, where the rounds do not go first
     W, planted = cloud_with_planted_rows(seed)
     taken = []
     original = stages.pooled_stage
@@ -111,6 +114,9 @@ def test_with_a_bias_the_pooled_certificates_hold_a_bias_gap_below_zero(monkeypa
     """A bias 0.25 N(0, 1) on the rows: the pooled stage's certificates reproduce w_k with an average bias above
     b_k (a bias gap below zero in the float64 check and in the oracle's residual), their tokens are the plain LP's
     unargmaxable ones, and the whole audit's verdicts are the plain LP's with and without the stage."""
+    import auditor.engine.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline.corrective, "WIDTH", 8)  # as on a head of d > 256, where the rounds do not go first
     W, planted = cloud_with_planted_rows(seed)
     b = (0.25 * np.random.default_rng(seed).standard_normal(W.shape[0])).astype(np.float32)
     rows, biases = torch.from_numpy(W), torch.from_numpy(b.astype(np.float64))  # the engine's biases are float64

@@ -210,12 +210,15 @@ def _after_interior(head: EngineHead, out: Decisions, left: np.ndarray, threat: 
     if len(left) and options.newton_iterations > 0:
         release_free_pages()
         left, threat = stages.anchored_stage(head, out, left, threat, options)
+    rounds_first = options.min_norm_rounds > 0 and head.d <= corrective.WIDTH and not head.domain.bounded
+    if len(left) and options.newton_iterations > 0 and not rounds_first:
+        # rows near the centre on pools drawn around them; a low-rank head's rounds, which come first there,
+        # price every row for each token at O(d^2) a round and take such rows as they come
         left, threat = stages.pooled_stage(head, out, left, threat)
     anchored = time.perf_counter() - clock
     clock = time.perf_counter()
     pools, quick = {}, 0.0
-    if (len(left) and options.min_norm_rounds > 0 and head.d <= corrective.WIDTH
-            and not head.domain.bounded):
+    if len(left) and rounds_first:
         if head.bias is None and options.frank_wolfe_iterations > 0 and stages.QUICK_ITERATIONS > 0:
             left, threat = stages.quick_witnesses(head, out, left, threat, progress)
         quick = time.perf_counter() - clock

@@ -233,7 +233,8 @@ def pooled_stage(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.
     the head's covariance try it: about as deep as the hull of m rows of a Gaussian cloud reaches, where a
     trained head's own rows lie about sqrt(d) out; a token whose pool misses its row costs one pool's solve (at
     most 8 float32 and pools.POOL_HESSIANS float64 Hessians of 3D x D). Heads too wide for such pools, or with too
-    few rows (pools.drawn_pools_fit), skip it."""
+    few rows (pools.drawn_pools_fit), skip it; the pipeline calls it only where the minimum-norm rounds do not
+    go first (heads of more than corrective.WIDTH dimensions)."""
     if not len(left) or head.domain.bounded or not drawn_pools_fit(head):
         return left, threat
     dim = lifted_dimension(head)  # (drawn_pools_fit: the head has more than 6D rows)
