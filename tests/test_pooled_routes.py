@@ -50,6 +50,21 @@ def lp_unargmaxable(W, k):
     return lp_margin(W.astype(np.float64), None, int(k))[0] <= 1e-9
 
 
+def weighted_pools_taken(monkeypatch) -> list[int]:
+    """The tokens whose dense certificates sparsify reduces through a weighted pool, filled as audits run."""
+    taken = []
+    original = settle._from_weighted_pool
+
+    def recording(head, out, k, dim):
+        done = original(head, out, k, dim)
+        if done:
+            taken.append(k)
+        return done
+
+    monkeypatch.setattr(settle, "_from_weighted_pool", recording)
+    return taken
+
+
 def test_tilted_pools_belong_to_the_token_alone_and_never_draw_its_row_or_a_copy(rng):
     W, planted = cloud_with_planted_rows(1)
     head = engine_head(W)
@@ -148,22 +163,13 @@ def test_sparsify_draws_a_pool_from_a_dense_certificate_and_falls_back_to_the_fu
     monkeypatch.setattr(pipeline.corrective, "WIDTH", 8)  # Newton before the rounds, as on a head of d > 256
     W, planted = cloud_with_planted_rows(5)
     monkeypatch.setattr(stages, "pooled_stage", lambda head, out, left, threat: (left, threat))
-    pooled, reduced = [], []
-    original = settle._from_weighted_pool
-
-    def recording(head, out, k, dim):
-        done = original(head, out, k, dim)
-        if done:
-            pooled.append(k)
-        return done
-
+    pooled, reduced = weighted_pools_taken(monkeypatch), []
     real_reduce = settle.reduce_supports
 
     def reduce_recording(head, certificates):
         reduced.extend(c[0].size for c in certificates)
         return real_reduce(head, certificates)
 
-    monkeypatch.setattr(settle, "_from_weighted_pool", recording)
     monkeypatch.setattr(settle, "reduce_supports", reduce_recording)
     ids = planted.tolist()  # Newton's dense weights, not Frank-Wolfe's, for the planted rows:
     report = auditor.audit(W, tokens=ids, frank_wolfe_iterations=2, progress=False)
@@ -243,16 +249,7 @@ def test_a_biased_dense_certificate_reduces_through_its_weighted_pool_with_a_gap
     W, planted = cloud_with_planted_rows(11)
     b = (0.25 * np.random.default_rng(11).standard_normal(W.shape[0])).astype(np.float32)
     monkeypatch.setattr(stages, "pooled_stage", lambda head, out, left, threat: (left, threat))
-    pooled = []
-    original = settle._from_weighted_pool
-
-    def recording(head, out, k, dim):
-        done = original(head, out, k, dim)
-        if done:
-            pooled.append(k)
-        return done
-
-    monkeypatch.setattr(settle, "_from_weighted_pool", recording)
+    pooled = weighted_pools_taken(monkeypatch)
     ids = planted.tolist()
     report = auditor.audit(W, b, tokens=ids, frank_wolfe_iterations=2, progress=False)
     assert pooled
