@@ -21,7 +21,7 @@ from auditor.engine.exact.certify import check_convex, check_witnesses, check_wi
 from auditor.engine.exact.dual_simplex import Basis
 from auditor.engine.exact.elimination import eliminate
 from auditor.engine.exact.lp import polish
-from auditor.engine.exact.pools import (POOL_HESSIANS, centre_pool, drawn_pools_fit, from_pool, linear_weights, pool_centre,
+from auditor.engine.exact.pools import (DRAWN_POOL, POOL_HESSIANS, centre_pool, drawn_pools_fit, from_pool, linear_weights, pool_centre,
                                         pool_certificate, pool_start, shared_null_vectors, spread_pool, weighted_pool)
 from auditor.engine.solvers.tilt import bias_can_lean
 
@@ -134,9 +134,6 @@ def sparsify(head: EngineHead, out: Decisions, routes: CentreRoutes | None = Non
         _record(head, out, k, support, alpha, dim)
 
 
-_WEIGHTED_POOL = 3  # times D: the rows a dense certificate's weighted pool holds (its weights drawn on 2 pools' worth)
-
-
 def _from_weighted_pool(head: EngineHead, out: Decisions, k: int, dim: int) -> bool:
     """A certificate for token k on at most D rows from a pool of 3D rows drawn in proportion to its dense
     certificate's weights (pools.weighted_pool): the pool's maximum-entropy weights for the same point and one
@@ -146,7 +143,7 @@ def _from_weighted_pool(head: EngineHead, out: Decisions, k: int, dim: int) -> b
     pools.drawn_pools_fit, and where the bias can lean: tilt.bias_can_lean); False where the pool's hull misses
     the point, which then takes the full reduction."""
     indices, weights, _, gap = out.convex[k]
-    size = _WEIGHTED_POOL * dim
+    size = DRAWN_POOL * dim
     if indices.size <= 2 * size:
         return False
     chosen = weighted_pool(indices, weights, k, size)

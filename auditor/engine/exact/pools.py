@@ -40,7 +40,7 @@ def spread_pool(head: EngineHead, seed: int = 0) -> Pool | None:
     return Pool(chosen, lifted_points(head, chosen))
 
 
-_TILTED_POOL = 3  # times D: the rows of a tilted pool (Wendel's bound, as for spread_pool)
+DRAWN_POOL = 3  # times D: the rows of a pool drawn around a point or from a certificate (Wendel's bound, as for spread_pool)
 _TILTED_ROWS = 2  # times the pool: the rows a head needs for pools to be drawn from it
 _POOL_BYTES = 1 << 27  # a drawn pool's float64 points and the solve's copy of them, at most (D <= 1672);
 #                       bench/families.py --pool-bytes sets it
@@ -56,8 +56,8 @@ def drawn_pools_fit(head: EngineHead) -> bool:
     Llama-3 head at that width on top of the audit's peak; there the tokens take Newton's solves over the head
     and the full reductions."""
     dim = lifted_dimension(head)
-    return (head.n_competitors - 1 >= _TILTED_ROWS * _TILTED_POOL * dim
-            and 2 * 8 * _TILTED_POOL * dim * dim <= _POOL_BYTES)
+    return (head.n_competitors - 1 >= _TILTED_ROWS * DRAWN_POOL * dim
+            and 2 * 8 * DRAWN_POOL * dim * dim <= _POOL_BYTES)
 
 
 def tilted_pools(head: EngineHead, ids: np.ndarray, points: torch.Tensor | None = None,
@@ -82,7 +82,7 @@ def tilted_pools(head: EngineHead, ids: np.ndarray, points: torch.Tensor | None 
     by about lambda spreads without moving their centre in R^d."""
     if len(ids) == 0 or not drawn_pools_fit(head):
         return [None] * len(ids)
-    size = _TILTED_POOL * lifted_dimension(head)
+    size = DRAWN_POOL * lifted_dimension(head)
     ids = np.asarray(ids, dtype=np.int64)
     if points is None:
         points = head.rows64(torch.as_tensor(ids, device=head.device))
