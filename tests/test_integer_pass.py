@@ -242,3 +242,85 @@ def test_the_pass_is_taken_where_it_applies_and_leaves_biased_heads_to_the_bfloa
     calls.clear()
     auditor.audit(W, b, domain="ball:2", progress=False, int8_entries=0, bfloat16_entries=0)
     assert calls == ["bfloat16_pass"]
+
+
+def _bounds_by_token(head, ids, rows) -> dict:
+    """self_bounds as {position in ids: (bound, rival, slack)}."""
+    found = {}
+    for part, _, top, rival, slack in integer_pass.self_bounds(head, ids, rows):
+        found.update(zip(part.tolist(), zip(top.tolist(), rival.tolist(), slack.tolist())))
+    return found
+
+
+def _reference_bounds(head, ids, rows) -> dict:
+    """The bounds from Tensor.max over the full product of each token with every stored row, in float64 numpy
+    (exact: integer sums below 2^53), the token itself and the masked rows left out."""
+    values = rows.values.to(torch.int64).numpy()
+    masked = set(integer_pass._masked_positions(head, rows).tolist())
+    found = {}
+    for at, k in enumerate(ids):
+        p = int(rows.position[k])
+        products = (values @ values[p]).astype(np.float64)
+        products[[p] + sorted(masked)] = -np.inf
+        best = torch.full((1, len(rows.steps)), integer_pass._MASKED, dtype=torch.int32)
+        first = torch.zeros(1, len(rows.steps), dtype=torch.int64)
+        for j, (lo, hi, *_) in enumerate(rows.steps):
+            if np.isfinite(products[lo:hi]).any():
+                first[0, j] = lo + int(np.argmax(products[lo:hi]))  # numpy's argmax: the first occurrence
+                best[0, j] = int(products[first[0, j]])
+        kt = torch.tensor([k])
+        top, rival, slack = integer_pass._bounds(rows, best, first, rows.exponent[kt], rows.error[kt], rows.size[kt])
+        found[at] = (float(top[0]), int(rival[0]), float(slack[0]))
+    return found
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("side", (16, 40))
+@pytest.mark.parametrize("group", (4, 64))
+def test_the_symmetric_pass_gives_the_plain_pass_bounds_and_first_rivals(seed, side, group, monkeypatch):
+    """Each product of two stored rows formed once (blocks of ``side``, several bands and steps): every token's
+    bound, rival and slack are those of the products with every row, the first of equal products the rival;
+    rows of half-integers make many ties, and copied rows are masked."""
+    rng = np.random.default_rng(seed)
+    n, d = (203, 16) if seed % 2 else (331, 24)
+    W = rng.standard_normal((n, d)) * np.exp(1.5 * rng.standard_normal((n, 1)))  # several grid steps
+    if seed >= 2:
+        W = np.round(W * 2) / 2
+    representative = np.arange(n)
+    W[5], representative[5] = W[3], 3
+    W[n - 1], representative[n - 1] = W[2], 2
+    head = build_engine_head(torch.from_numpy(W), None, representative, parse_domain("unbounded"), 1e-10)
+    rows = integer_pass.integer_rows(head)
+    ids = rng.permutation(np.nonzero(representative == np.arange(n))[0])
+    monkeypatch.setattr(integer_pass, "_SIDE", side)
+    monkeypatch.setattr(integer_pass, "_GROUP", group)
+    assert len(rows.steps) >= 4 and integer_pass._symmetric(rows, len(ids))
+    taken = []
+    original = integer_pass._symmetric_maxima
+    monkeypatch.setattr(integer_pass, "_symmetric_maxima", lambda *a: taken.append(1) or original(*a))
+    symmetric = _bounds_by_token(head, ids, rows)
+    assert taken
+    reference = _reference_bounds(head, ids, rows)
+    assert symmetric == reference
+    monkeypatch.setattr(integer_pass, "_symmetric", lambda rows, count: False)
+    assert _bounds_by_token(head, ids, rows) == reference
+
+
+def test_audits_through_the_symmetric_pass_match_qhull_and_the_plain_pass(monkeypatch):
+    """A crowded low-dimensional head, the int8 pass forced and its blocks small: Qhull's argmaxable set, and
+    the same report as the plain pass gives."""
+    rng = np.random.default_rng(7)
+    W = rng.standard_normal((500, 5)) * np.array([1.0, 0.5, 0.3, 0.2, 0.1])
+    W = np.vstack([W, W[:60] * 0.999, W[60:64]]).astype(np.float32)  # near-copies and copies
+    monkeypatch.setattr(integer_pass, "_SIDE", 64)
+    taken = []
+    original = integer_pass._symmetric_maxima
+    monkeypatch.setattr(integer_pass, "_symmetric_maxima", lambda *a: taken.append(1) or original(*a))
+    symmetric = auditor.audit(W, progress=False, **FORCED)
+    assert taken
+    assert symmetric.counts["inconclusive"] == 0
+    assert set(symmetric.ids("argmaxable")) == qhull_argmaxable(W.astype(np.float64))
+    assert auditor.verify(symmetric, W).ok
+    monkeypatch.setattr(integer_pass, "_symmetric", lambda rows, count: False)
+    plain = auditor.audit(W, progress=False, **FORCED)
+    assert [(t.verdict, t.margin) for t in symmetric.tokens] == [(t.verdict, t.margin) for t in plain.tokens]

@@ -142,3 +142,27 @@ def test_a_steep_head_is_decided_in_the_screen_and_matches_the_lp(biased, monkey
         margin = lp_margin(W, b, k)[0]
         assert (report.tokens[k].verdict == "argmaxable") == (margin > 0), (k, margin)
     check_report(report, W, W, b, "unbounded")
+
+
+@pytest.mark.parametrize("domain, biased", [("unbounded", False), ("ball:0.5", False), ("unbounded", True)])
+def test_the_symmetric_pass_gives_the_same_whitened_witnesses(domain, biased, monkeypatch):
+    """The whitened pass over most of a head through the symmetric pass (small blocks) and through blocks of
+    tokens x every row: the same tokens proved, with the same witnesses, margins and rivals, the same close
+    calls, in the order of the tokens asked."""
+    n, d = 300, 12
+    W = steep_head(n, d, 1.6, 5, rotated=True)
+    b = np.random.default_rng(5).standard_normal(n) * 0.1 if biased else None
+    head = build_engine_head(torch.from_numpy(W), None if b is None else torch.from_numpy(b), np.arange(n),
+                             parse_domain(domain), 1e-10)
+    ids = np.random.default_rng(6).permutation(n)
+    monkeypatch.setattr(integer_pass, "_SIDE", 40)
+    rows = whitened_integer.whitened_rows(head)
+    assert integer_pass._symmetric(rows, n)
+    symmetric = whitened_integer.whitened_int8(head, ids, None, rows)
+    monkeypatch.setattr(integer_pass, "_symmetric", lambda rows, count: False)
+    plain = whitened_integer.whitened_int8(head, ids, None, rows)
+    assert symmetric.proved.size >= n // 3
+    for name in ("proved", "margin", "runner_up", "close"):
+        assert np.array_equal(getattr(symmetric, name), getattr(plain, name)), name
+    for name in ("witnesses", "close_witnesses"):
+        assert torch.equal(getattr(symmetric, name), getattr(plain, name)), name

@@ -39,6 +39,13 @@ the largest bound over the steps by more than what the float64 re-check of the
 witness needs (low_precision.recheck_needs), exactly as in the bfloat16 pass;
 every other token goes on to the float32 pass.
 
+The products formed once. With x the token's own row the products q_i . q_k are
+the entries of a symmetric matrix: where the pass covers most of the stored rows
+(self_bounds), it forms the blocks on and above the diagonal only, each giving
+its rows' tokens their maxima over its columns and its columns' tokens theirs
+over its rows, in an order that keeps every token's first rival among equal
+products: the bounds are the plain pass's, bit for bit.
+
 Exactness of the sums is not taken on trust: a probe at first use on each device
 compares the product, on the call the pass makes, with exact float64 sums on
 data that a kernel saturating 16-bit intermediate sums (AVX2's
@@ -74,6 +81,10 @@ _ROWS_BLOCK = 1024  # rows formed in float64 at once while the copy is made
 _ALIGN = 8  # widths and row counts padded to multiples of this (the int8 kernels of GPUs ask for it)
 _MIN_CHUNK = 32  # GPUs' int8 kernels ask for more than 16 rows on the left
 _PROBE_LENGTH = 4096
+# The side of the symmetric pass's square blocks: 2^22 int32 entries (16 MiB) on a CPU, where 2048 ran faster
+# than 3072 and 4096 at 32768 x 512 (the blocks' reductions then stay in cache); 2^26 (256 MiB) on a GPU, where
+# each block costs a dozen kernel launches.
+_SIDE, _DEVICE_SIDE = 2048, 8192
 
 log = logging.getLogger("auditor")
 _probed: dict[str, bool] = {}
@@ -237,14 +248,21 @@ def _upper_bounds(rows: IntegerRows, left_exponent: torch.Tensor, left_error: to
     products with every stored row ``block`` holds (the masks already set), ``left_exponent`` e_x,
     ``left_error`` >= ||e_x|| and ``left_norm`` >= ||x||. Returns (bound, the rival of the step that gives it,
     the slack of that step's bound above its integer part); -inf where every rival is masked."""
-    count = block.shape[0]
-    bound = torch.full((count,), -torch.inf, dtype=torch.float64, device=block.device)
-    chosen_slack = torch.zeros(count, dtype=torch.float64, device=block.device)
-    rival = torch.zeros(count, dtype=torch.int64, device=block.device)
-    for first, end, e, length, error in rows.steps:
-        best, at = block[:, first:end].max(dim=1)
-        exact = torch.ldexp(best.to(torch.float64), (left_exponent + e).to(torch.float64))  # S S_x M, exact
-        exact = torch.where(best == _MASKED, torch.full_like(exact, -torch.inf), exact)
+    best, at = _step_maxima(rows, block)
+    return _bounds(rows, best, at, left_exponent, left_error, left_norm)
+
+
+def _bounds(rows: IntegerRows, best: torch.Tensor, at: torch.Tensor, left_exponent: torch.Tensor,
+            left_error: torch.Tensor, left_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_upper_bounds from each step's largest integer product ``best`` (count x steps, _MASKED where every
+    rival of the step is masked) and the position ``at`` of its first rival."""
+    count = best.shape[0]
+    bound = torch.full((count,), -torch.inf, dtype=torch.float64, device=best.device)
+    chosen_slack = torch.zeros(count, dtype=torch.float64, device=best.device)
+    rival = torch.zeros(count, dtype=torch.int64, device=best.device)
+    for j, (_, _, e, length, error) in enumerate(rows.steps):
+        exact = torch.ldexp(best[:, j].to(torch.float64), (left_exponent + e).to(torch.float64))  # S S_x M, exact
+        exact = torch.where(best[:, j] == _MASKED, torch.full_like(exact, -torch.inf), exact)
         # S Q ||e_x|| + E ||x||: three roundings, taken up by 4u; the sum's rounding by 2u of its terms' size
         slack = (torch.ldexp(length * left_error, torch.full_like(left_error, e)) + error * left_norm) * (1 + 4 * UNIT_ROUNDOFF)
         here = exact + slack + 2 * UNIT_ROUNDOFF * (exact.abs() + slack) + 2.0**-1000
@@ -252,8 +270,152 @@ def _upper_bounds(rows: IntegerRows, left_exponent: torch.Tensor, left_error: to
         better = here > bound
         bound = torch.where(better, here, bound)
         chosen_slack = torch.where(better, here - exact, chosen_slack)
-        rival = torch.where(better, at + first, rival)
+        rival = torch.where(better, at[:, j], rival)
     return bound, rows.order[rival.clamp_(max=rows.order.numel() - 1)], chosen_slack
+
+
+_GROUP = 64  # entries reduced together before the first maximum is looked for among them
+
+
+def _first_maxima(part: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest entry of each row (dim 1) or column (dim 0) of a 2-D block and the index of its first
+    occurrence, as Tensor.max(dim) gives them. Tensor.max with indices runs several times slower than amax on
+    int32 (it is not vectorised); here amax takes groups of _GROUP entries, the first group holding the largest
+    is found among the groups' maxima, and its first occurrence inside that group."""
+    if dim == 0:
+        part = part.T  # (reshapes below are views either way)
+    length = part.shape[1]
+    full = length // _GROUP * _GROUP
+    if full == 0:
+        return part.max(dim=1)
+    offsets = torch.arange(_GROUP, device=part.device)
+    if dim == 1:
+        groups = part[:, :full].reshape(part.shape[0], full // _GROUP, _GROUP).amax(dim=2)
+        best, group = groups.max(dim=1)
+        within = part.gather(1, group[:, None] * _GROUP + offsets).max(dim=1)[1]
+    else:  # reduce across rows of the stored block (contiguous along its rows)
+        stored = part.T
+        groups = stored[:full].reshape(full // _GROUP, _GROUP, stored.shape[1]).amax(dim=1)
+        best, group = groups.max(dim=0)
+        within = stored.gather(0, group[None, :] * _GROUP + offsets[:, None]).max(dim=0)[1]
+    at = group * _GROUP + within
+    if full < length:
+        tail, tail_at = part[:, full:].max(dim=1)
+        later = tail > best  # strictly: the first occurrence stays first
+        best, at = torch.where(later, tail, best), torch.where(later, tail_at + full, at)
+    return best, at
+
+
+def _step_maxima(rows: IntegerRows, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each step's largest product in every row of ``block`` (left vectors x every stored row) and the position
+    of its first rival: (count x steps int32, count x steps int64)."""
+    best = torch.empty(block.shape[0], len(rows.steps), dtype=torch.int32, device=block.device)
+    at = torch.empty(block.shape[0], len(rows.steps), dtype=torch.int64, device=block.device)
+    for j, (first, end, _, _, _) in enumerate(rows.steps):
+        best[:, j], found = _first_maxima(block[:, first:end], 1)
+        at[:, j] = found + first
+    return best, at
+
+
+def _merge(best: torch.Tensor, at: torch.Tensor, values: torch.Tensor, found: torch.Tensor) -> None:
+    """Keeps the larger of ``best`` and ``values`` in place, ``at`` following; on a tie the earlier (``best``:
+    positions are visited in increasing order)."""
+    larger = values > best
+    best.copy_(torch.where(larger, values, best))
+    at.copy_(torch.where(larger, found, at))
+
+
+def _side(device: torch.device) -> int:
+    return _SIDE if device.type == "cpu" else _DEVICE_SIDE
+
+
+def _symmetric(rows: IntegerRows, count: int) -> bool:
+    """Whether the self-products of ``count`` tokens take the symmetric pass: it forms the products of P stored
+    rows in about P (P + side) / 2 entries, where the plain pass forms count x P of them."""
+    return 2 * count > rows.values.shape[0] + _side(rows.values.device)
+
+
+def _symmetric_maxima(head: EngineHead, rows: IntegerRows, masked: torch.Tensor):
+    """The step maxima of every stored row's own x (its own q, as int8_pass takes it) against every other row,
+    from the products q_i . q_j with i <= j only: each square block of them gives the maxima of its rows'
+    tokens over its columns and, off the diagonal, of its columns' tokens over its rows. Blocks are visited
+    row band by row band, each band from the diagonal on, so every token's rivals come in increasing position
+    and the first of equal products is kept, as in the plain pass; a token's maxima are the plain pass's, bit
+    for bit. Yields (first, end, best, at) for the positions [first, end) whose rivals are all seen."""
+    device = head.device
+    values = rows.values
+    total, width = values.shape
+    side = _side(device)
+    steps = rows.steps
+    best = torch.full((total, len(steps)), _MASKED, dtype=torch.int32, device=device)
+    at = torch.zeros(total, len(steps), dtype=torch.int64, device=device)
+    hidden = torch.zeros(total, dtype=torch.bool, device=device)
+    hidden[masked] = True
+    buffer = torch.empty(max(side, _MIN_CHUNK) * side, dtype=torch.int32, device=device)
+    padded_left = torch.zeros(_MIN_CHUNK, width, dtype=torch.int8, device=device)
+    for a in range(0, total, side):
+        a_end = min(a + side, total)
+        left = values[a:a_end]
+        if left.shape[0] < _MIN_CHUNK:  # GPUs' int8 kernels ask for more than 16 rows on the left
+            padded_left[:left.shape[0]] = left
+            left = padded_left
+        band_hidden = torch.nonzero(hidden[a:a_end]).flatten()
+        for b in range(a, total, side):
+            b_end = min(b + side, total)
+            block = buffer[:left.shape[0] * (b_end - b)].view(left.shape[0], b_end - b)
+            torch._int_mm(left, values[b:b_end].T, out=block)
+            block = block[:a_end - a]
+            if band_hidden.numel():
+                block.index_fill_(0, band_hidden, _MASKED)
+            column_hidden = torch.nonzero(hidden[b:b_end]).flatten()
+            if column_hidden.numel():
+                block.index_fill_(1, column_hidden, _MASKED)
+            if b == a:  # the token's own product
+                block.fill_diagonal_(_MASKED)
+            for j, (first, end, _, _, _) in enumerate(steps):
+                lo, hi = max(first, b), min(end, b_end)
+                if lo < hi:  # the band's tokens over these columns
+                    values_j, found = _first_maxima(block[:, lo - b:hi - b], 1)
+                    _merge(best[a:a_end, j], at[a:a_end, j], values_j, found + lo)
+                lo, hi = max(first, a), min(end, a_end)
+                if b > a and lo < hi:  # the columns' tokens over the band's rows
+                    values_j, found = _first_maxima(block[lo - a:hi - a], 0)
+                    _merge(best[b:b_end, j], at[b:b_end, j], values_j, found + lo)
+        yield a, a_end, best[a:a_end], at[a:a_end]
+
+
+def self_bounds(head: EngineHead, ids: np.ndarray, rows: IntegerRows):
+    """For tokens ``ids`` (each x its own stored row), by chunks: (positions into ids, k, bound, rival, slack) as
+    _upper_bounds gives them. Where the tokens are most of the stored rows, all of them competitors, the
+    symmetric pass forms each product once; otherwise blocks of tokens x every row. The bounds are the same
+    either way (the integer maxima are exact; ties keep the first rival)."""
+    device = head.device
+    masked = _masked_positions(head, rows)
+    count = len(ids)
+    k_all = torch.as_tensor(ids, device=device)
+    if (count and _symmetric(rows, count) and bool(head.competitor[k_all].all())
+            and exact_products(device, _side(device), rows.values.shape[1])):
+        position = rows.position[k_all].cpu().numpy()
+        order = np.argsort(position, kind="stable")
+        sorted_position = position[order]
+        for first, end, best, at in _symmetric_maxima(head, rows, masked):
+            lo, hi = np.searchsorted(sorted_position, [first, end])
+            if lo == hi:
+                continue
+            part = order[lo:hi]
+            k = k_all[torch.as_tensor(part, device=device)]
+            local = torch.as_tensor(sorted_position[lo:hi] - first, device=device)
+            yield (part, k) + _bounds(rows, best[local], at[local], rows.exponent[k], rows.error[k], rows.size[k])
+        return
+    chunk, gram, left = _blocks(head, count, rows)
+    for start in range(0, count, chunk):
+        part = np.arange(start, min(start + chunk, count))
+        k = k_all[start:start + part.size]
+        position = rows.position[k]
+        left[:part.size] = rows.values.index_select(0, position)
+        left[part.size:] = 0
+        _product(rows, left, gram, position, masked)
+        yield (part, k) + _upper_bounds(rows, rows.exponent[k], rows.error[k], rows.size[k], gram[:part.size])
 
 
 def _product(rows: IntegerRows, left: torch.Tensor, block: torch.Tensor, positions: torch.Tensor,
@@ -302,16 +464,8 @@ def int8_pass(head: EngineHead, ids: np.ndarray, progress=None, rows: IntegerRow
     scale = np.ones(count)
     runner_up = np.full(count, -1, dtype=np.int64)
     rows = rows if rows is not None else integer_rows(head)
-    masked = _masked_positions(head, rows)
-    chunk, gram, left = _blocks(head, count, rows)
-    for start in range(0, count, chunk):
-        part = slice(start, min(start + chunk, count))
-        k = torch.as_tensor(ids[part], device=device)
+    for part, k, top, rival, _ in self_bounds(head, ids, rows):
         size = k.numel()
-        left[:size] = rows.values.index_select(0, rows.position[k])
-        left[size:] = 0
-        _product(rows, left, gram, rows.position[k], masked)
-        top, rival, _ = _upper_bounds(rows, rows.exponent[k], rows.error[k], rows.size[k], gram[:size])
         directions = head.rows64(k) - head.witness_centre
         s_k = (float32_towards_zero(head.domain.largest_scales(directions)) if head.domain.bounded
                else torch.ones(size, dtype=torch.float64, device=device))

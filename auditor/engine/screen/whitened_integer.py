@@ -75,20 +75,8 @@ def whitened_int8(head: EngineHead, ids: np.ndarray, progress=None,
     r = transform.shape[0]
     frobenius = float(safe_norm(transform.reshape(-1), dim=0)) * (1 + gamma(r * d + 2))
     rows = rows if rows is not None else whitened_rows(head)
-    masked = integer_pass._masked_positions(head, rows)
-    count = len(ids)
-    chunk, gram, left = integer_pass._blocks(head, count, rows)
     proved, witnesses, margin, runner_up, close, close_witnesses = [], [], [], [], [], []
-    for start in range(0, count, chunk):
-        part = slice(start, min(start + chunk, count))
-        k = torch.as_tensor(ids[part], device=device)
-        size = k.numel()
-        position = rows.position[k]
-        left[:size] = rows.values.index_select(0, position)
-        left[size:] = 0
-        integer_pass._product(rows, left, gram, position, masked)
-        top, rival, slack = integer_pass._upper_bounds(rows, rows.exponent[k], rows.error[k], rows.size[k],
-                                                       gram[:size])
+    for part, k, top, rival, slack in integer_pass.self_bounds(head, ids, rows):
         won, lower, best, lead, allowance, z = _outcomes(head, k, rows, transform, frobenius, top, rival, slack)
         # only the witnesses kept leave the chunk: a float64 witness per token is twice a float32 row
         at, near = np.nonzero(won)[0], np.nonzero(~won & (lead > -allowance))[0]
@@ -97,21 +85,25 @@ def whitened_int8(head: EngineHead, ids: np.ndarray, progress=None,
             witnesses.append(z[chosen])
             margin.append(less_derived_error(head, k[chosen], torch.as_tensor(lower[at], device=device),
                                              safe_norm(z[chosen], dim=1) * (1 + gamma(d + 10))).cpu().numpy())
-            proved.append(at + start)
+            proved.append(part[at])
             runner_up.append(best[at])
         if near.size:
-            close.append(near + start)
+            close.append(part[near])
             close_witnesses.append(z[torch.as_tensor(near, device=device)])
         if progress is not None:
             progress.update(int(at.size))
-    empty = torch.zeros(0, d, dtype=torch.float64, device=device)
     none = np.zeros(0, dtype=np.int64)
-    return WhitenedOutcome(np.concatenate(proved) if proved else none,
-                           torch.cat(witnesses) if witnesses else empty,
-                           np.concatenate(margin) if margin else np.zeros(0),
-                           np.concatenate(runner_up) if runner_up else none,
-                           np.concatenate(close) if close else none,
-                           torch.cat(close_witnesses) if close_witnesses else empty)
+    proved, close = (np.concatenate(proved) if proved else none), (np.concatenate(close) if close else none)
+    # in the order of ids, whichever order self_bounds visited the tokens in
+    first, near_first = np.argsort(proved, kind="stable"), np.argsort(close, kind="stable")
+    empty = torch.zeros(0, d, dtype=torch.float64, device=device)
+    return WhitenedOutcome(proved[first],
+                           torch.cat(witnesses)[torch.as_tensor(first, device=device)] if witnesses else empty,
+                           np.concatenate(margin)[first] if margin else np.zeros(0),
+                           np.concatenate(runner_up)[first] if runner_up else none,
+                           close[near_first],
+                           torch.cat(close_witnesses)[torch.as_tensor(near_first, device=device)]
+                           if close_witnesses else empty)
 
 
 def _outcomes(head: EngineHead, k: torch.Tensor, rows: integer_pass.IntegerRows, transform: torch.Tensor,
