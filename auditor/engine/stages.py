@@ -93,12 +93,11 @@ def screen_stage(head: EngineHead, out: Decisions, todo: np.ndarray, progress: b
 def _record_witnesses(head: EngineHead, out: Decisions, ids: np.ndarray, witnesses: torch.Tensor,
                       margin: np.ndarray, runner_up: np.ndarray) -> None:
     """Record proved explicit witnesses; the unbounded head without a bias quotes its margin on the unit ball."""
-    sizes = safe_norm(witnesses, dim=1).cpu().numpy()
     rows = witnesses.cpu().numpy()
-    at_z = head.domain.bounded or head.bias is not None
+    quoted = (np.asarray(margin, dtype=np.float64) if head.domain.bounded or head.bias is not None
+              else per_unit_norm(margin, safe_norm(witnesses, dim=1).cpu().numpy(), head.d))
     for j, k in enumerate(ids.tolist()):
-        quoted = margin[j] if at_z else per_unit_norm(margin[j], sizes[j], head.d)
-        set_witness(out, int(k), rows[j], float(quoted), int(runner_up[j]), "screen")
+        set_witness(out, int(k), rows[j], float(quoted[j]), int(runner_up[j]), "screen")
 
 
 def whitened_stage(head: EngineHead, out: Decisions, left: np.ndarray, threat: np.ndarray, centred
@@ -107,12 +106,14 @@ def whitened_stage(head: EngineHead, out: Decisions, left: np.ndarray, threat: n
     returns the tokens left."""
     tried, witnesses, check = whitened_witnesses(head, left, centred)
     if check is not None:
-        sizes = safe_norm(witnesses, dim=1).cpu().numpy()
-        for j, row in enumerate(tried.tolist()):
-            if check.certified[j]:  # the unbounded head without a bias quotes its margin on the unit ball
-                margin = check.margin[j] if head.domain.bounded else per_unit_norm(check.margin[j], sizes[j], head.d)
-                set_witness(out, int(left[row]), witnesses[j].cpu().numpy(), float(margin), int(check.runner_up[j]),
-                            "screen")
+        at = np.nonzero(check.certified)[0]
+        chosen = witnesses[torch.as_tensor(at, device=witnesses.device)]
+        # the unbounded head without a bias quotes its margin on the unit ball
+        quoted = (check.margin[at] if head.domain.bounded
+                  else per_unit_norm(check.margin[at], safe_norm(chosen, dim=1).cpu().numpy(), head.d))
+        rows = chosen.cpu().numpy()
+        for j, row in enumerate(tried[at].tolist()):
+            set_witness(out, int(left[row]), rows[j], float(quoted[j]), int(check.runner_up[at[j]]), "screen")
         keep = out.verdict[left] == UNDECIDED
         left, threat = left[keep], threat[keep]
     return left, threat

@@ -367,12 +367,17 @@ def to_given_units(out: Decisions, form: NormalForm, head: EngineHead) -> None:
         inexact = np.isfinite(out.margin) & (times_power_of_two(given, c) != out.margin)
         out.margin = np.where(inexact, np.nextafter(given, -np.inf), given)
     unstated = []
-    for k in list(out.explicit_witness):
-        given, exact = _in_given_units(out.explicit_witness[k], a - c)
-        if exact:
-            out.explicit_witness[k] = given
-        else:
-            unstated.append(k)
+    stated = list(out.explicit_witness)
+    for s in range(0, len(stated), _BLOCK_ROWS):  # by blocks of tokens, each block in one numpy call
+        ks = stated[s:s + _BLOCK_ROWS]
+        for shape in {out.explicit_witness[k].shape for k in ks}:
+            same = [k for k in ks if out.explicit_witness[k].shape == shape]
+            given, exact = _in_given_units(np.stack([out.explicit_witness[k] for k in same]), a - c)
+            for j, k in enumerate(same):
+                if exact[j]:
+                    out.explicit_witness[k] = given[j]
+                else:
+                    unstated.append(k)
     # The formula witness s (w_k - t c) refers to the rows as given: z = 2^(a-c) s 2^a (w_k - t c)
     # takes the scale 2^(2a-c) s. Where that leaves the normal float range, or the rows were
     # translated (the formula's rows are then not the given ones), store the very point checked.
