@@ -177,8 +177,9 @@ def _on_grid(values: torch.Tensor, exponent: torch.Tensor) -> tuple[torch.Tensor
 
 def integer_rows(head: EngineHead, transform: torch.Tensor | None = None) -> IntegerRows:
     """The pass's copy of the head (a quarter of a float32 head), made by blocks of rows formed in float64
-    (EngineHead.rows64: rows stored as 2^a v are scaled there, exactly): one pass for each row's largest
-    entry and norm, one for its integers and error.
+    (EngineHead.rows64: rows stored as 2^a v are scaled there, exactly), each row formed once (again only
+    where the eighth step's clamp moves its grid); the integers are kept in row order, then copied into the
+    order of the steps (for that copy's moment, two int8 copies: half a float32 head).
 
     With ``transform`` A (r x d) the copy is of the rows y_i = A (w_i - c) instead (the whitened head,
     whitened_integer.py), formed as y^_i = fl(A fl(w_i - c)) in float64: with a_i = w_i - c and its computed
@@ -204,40 +205,55 @@ def integer_rows(head: EngineHead, transform: torch.Tensor | None = None) -> Int
         formation[ids] = safe_norm(offsets, dim=1) * factor + r * d * 2.0**-1074
         return offsets @ transform.T
 
+    # One formation of each row (for a whitened copy, a float64 product with A): its largest entry, its norm
+    # and its integers on its own grid, kept in row order; the few rows whose step the clamp below moves are
+    # formed again, and the integers are then put in the order of their steps.
     maxima = torch.empty(n, dtype=torch.float64, device=device)
     size = torch.empty(n, dtype=torch.float64, device=device)
+    raw = torch.zeros(n, width, dtype=torch.int8, device=device)
+    residual_norm = torch.empty(n, dtype=torch.float64, device=device)
+    length = torch.empty(n, dtype=torch.float64, device=device)
+
+    def on_grids(ids: torch.Tensor, offsets: torch.Tensor, exponent: torch.Tensor) -> None:
+        q, residual = _on_grid(offsets, exponent)
+        raw[ids, :r] = q.to(torch.int8)
+        residual_norm[ids] = safe_norm(residual, dim=1) * (1 + gamma(r + 2))
+        # ||q_i||: an integer sum of squares, exact in float64; its square root one rounding
+        length[ids] = torch.sqrt((q * q).sum(dim=1)) * (1 + 2 * UNIT_ROUNDOFF)
+
     for s in range(0, n, _ROWS_BLOCK):
-        offsets = formed(torch.arange(s, min(s + _ROWS_BLOCK, n), device=device))
-        maxima[s:s + _ROWS_BLOCK] = offsets.abs().amax(dim=1)
-        size[s:s + _ROWS_BLOCK] = safe_norm(offsets, dim=1)
+        ids = torch.arange(s, min(s + _ROWS_BLOCK, n), device=device)
+        offsets = formed(ids)
+        maxima[ids] = offsets.abs().amax(dim=1)
+        size[ids] = safe_norm(offsets, dim=1)
+        on_grids(ids, offsets, _grid_exponents(maxima[ids]))
     size *= 1 + gamma(r + 2)  # >= ||y^_i|| and so, with the one rounding of each entry, >= ||y_i||
     if formation is not None:  # >= ||y^_i|| + f_i >= ||y_i||
         size = (size + formation) * (1 + 2 * UNIT_ROUNDOFF)
     exponent = _grid_exponents(maxima)
     top = int(exponent[head.competitor].max()) if bool(head.competitor.any()) else int(exponent.max())
+    moved = torch.nonzero((exponent < top - _STEPS + 1) | (exponent > top)).flatten()
     exponent.clamp_(min=top - _STEPS + 1, max=top)  # the eighth step takes every row further below
+    for s in range(0, moved.numel(), _ROWS_BLOCK):
+        # (formed again: any computed y^_i is within f_i of y_i, so r_i of this computation bounds e_i with f_i)
+        ids = moved[s:s + _ROWS_BLOCK]
+        on_grids(ids, formed(ids), exponent[ids])
+    error = residual_norm + (UNIT_ROUNDOFF * size * (1 + 2 * UNIT_ROUNDOFF) if formation is None
+                             else formation * (1 + 2 * UNIT_ROUNDOFF))
+    del residual_norm
     order = torch.argsort(-exponent, stable=True)
     position = torch.empty_like(order)
     position[order] = torch.arange(n, device=device)
     values = torch.zeros(rows, width, dtype=torch.int8, device=device)
-    error = torch.empty(n, dtype=torch.float64, device=device)
-    length = torch.empty(n, dtype=torch.float64, device=device)
-    for s in range(0, n, _ROWS_BLOCK):
-        ids = order[s:s + _ROWS_BLOCK]
-        # (formed again: any computed y^_i is within f_i of y_i, so r_i of this computation bounds e_i with f_i)
-        q, residual = _on_grid(formed(ids), exponent[ids])
-        values[s:s + ids.numel(), :r] = q.to(torch.int8)
-        error[ids] = safe_norm(residual, dim=1) * (1 + gamma(r + 2)) + (
-            UNIT_ROUNDOFF * size[ids] * (1 + 2 * UNIT_ROUNDOFF) if formation is None
-            else formation[ids] * (1 + 2 * UNIT_ROUNDOFF))
-        # ||q_i||: an integer sum of squares, exact in float64; its square root one rounding
-        length[s:s + ids.numel()] = torch.sqrt((q * q).sum(dim=1)) * (1 + 2 * UNIT_ROUNDOFF)
+    values.index_copy_(0, position, raw)
+    del raw
     steps = []
     sorted_exponent = exponent[order]
     for e in torch.unique(sorted_exponent).tolist()[::-1]:
         at = torch.nonzero(sorted_exponent == e).flatten()
         first, end = int(at[0]), int(at[-1]) + 1
-        steps.append((first, end, int(e), float(length[first:end].max()), float(error[order[first:end]].max())))
+        steps.append((first, end, int(e), float(length[order[first:end]].max()),
+                      float(error[order[first:end]].max())))
     return IntegerRows(values, order, position, exponent, error, size, steps,
                        torch.arange(n, rows, device=device), formation)
 
