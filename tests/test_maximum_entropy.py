@@ -200,3 +200,71 @@ def test_the_centre_s_weights_start_the_solve_for_rows_beyond_their_first_order_
     assert np.abs(other @ pool - target).max() <= 1e-12 * np.abs(pool - target).max()
     outside = pool.max(axis=0) + 1.0
     assert maximum_entropy_weights(pool, outside, start=shared.factor, prior=np.log(shared.weights), chord=0.7) is None
+
+
+def test_a_lone_point_on_a_head_of_few_rows_is_preconditioned_by_the_hessian_itself(rng):
+    """On a head of fewer than 8 D rows the lone point's preconditioner is formed on every row: the inverse of
+    the Hessian sum_i pi_i (w_i - m)(w_i - m)^T (the head's covariance at a millionth of its weight added),
+    and the solve reaches the same weights as one preconditioned by the head's precision."""
+    import torch
+
+    from auditor.question.domain import Unbounded
+    from auditor.engine.solvers import tilt
+    from auditor.engine.arithmetic.head import build_engine_head
+    from auditor.engine.screen.ties import duplicate_groups
+
+    n, d = 150, 24
+    W = torch.from_numpy(rng.standard_normal((n, d)) + 0.05)  # the origin well inside the hull
+    head = build_engine_head(W, None, duplicate_groups(W, None), Unbounded(), 1e-10)
+    pi = torch.softmax(torch.from_numpy(rng.standard_normal(n)), dim=0)
+    mean = pi @ W
+    hessian = (W - mean).T @ ((W - mean) * pi[:, None]) + 1e-6 * head.covariance
+    metric = tilt._heavy_preconditioner(head, pi, mean)
+    assert float((metric @ hessian - torch.eye(d, dtype=torch.float64)).abs().max()) <= 1e-4
+    origin = torch.zeros(1, d, dtype=torch.float64)
+    mask = torch.zeros(1, n, dtype=torch.float64)
+    goal = torch.tensor([1e-12], dtype=torch.float64)
+    found, least, _ = tilt.maximum_entropy(head, origin, mask, goal, 40)
+    assert float(least[0]) <= 1e-12
+    real = tilt._heavy_preconditioner
+    try:
+        tilt._heavy_preconditioner = lambda head, pi, mean: head.precision
+        reference, _, _ = tilt.maximum_entropy(head, origin, mask, goal, 40)
+    finally:
+        tilt._heavy_preconditioner = real
+    assert float((found - reference).abs().max()) <= 1e-9 * float(reference.max())
+
+
+def test_newton_stops_where_the_token_already_leads_and_its_theta_is_the_witness(rng, monkeypatch):
+    """A row a little outside the hull of a cloud (argmaxable, and the oracle LP agrees): Newton's theta runs
+    off and, once the row's own logit leads every rival's, the token stops there; that theta is the witness
+    tilted_certificates reports, checked to win, after fewer steps than a run that goes on to the end."""
+    import torch
+
+    from auditor.question.domain import Unbounded
+    from auditor.engine.solvers import tilt
+    from auditor.engine.arithmetic.head import build_engine_head
+    from auditor.engine.screen.ties import duplicate_groups
+    from oracles import lp_margin, witness_wins
+
+    n, d = 2000, 16
+    spread = np.arange(1, d + 1) ** -0.3
+    W = rng.standard_normal((n, d)) * spread
+    direction = rng.standard_normal(d)
+    W[-1] = W.mean(axis=0) + 3.0 * spread * direction / np.linalg.norm(direction)  # 3 deviations out
+    assert lp_margin(W, None, n - 1)[0] > 0
+    weight = torch.from_numpy(W)
+    head = build_engine_head(weight, None, duplicate_groups(weight, None), Unbounded(), 1e-10)
+    steps = []
+    real = tilt._newton_steps
+    monkeypatch.setattr(tilt, "_newton_steps", lambda *a: steps.append(1) or real(*a))
+    witnesses = {}
+    assert tilt.tilted_certificates(head, np.array([n - 1]), witnesses=witnesses) == {}
+    z, margin, _ = witnesses[n - 1]
+    assert margin > 0 and witness_wins(W, None, n - 1, z)
+    early = len(steps)
+    steps.clear()
+    real_entropy = tilt.maximum_entropy
+    monkeypatch.setattr(tilt, "maximum_entropy", lambda *a, own=None, **k: real_entropy(*a, **k))
+    tilt.tilted_certificates(head, np.array([n - 1]), witnesses={})
+    assert early < len(steps)

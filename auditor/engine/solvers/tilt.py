@@ -302,7 +302,8 @@ def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float, 
     # The residual the certificate may rest on; the check adds its rounding bound, about 2 n u ||w||.
     goal = torch.tensor([head.residual_tolerance(int(t)) for t in ids], dtype=torch.float64, device=device)
     # p carries 1/mu of the certificate: its residual counts 1/mu
-    pi, least, theta = maximum_entropy(head, p, mask, goal * mu, iterations, start)
+    pi, least, theta = maximum_entropy(head, p, mask, goal * mu, iterations, start,
+                                       own=head.rows64(k) if head.bias is None else None)
 
     found = {}
     reproduced = {int(t) for t, r in zip(ids.tolist(), (least / mu <= goal).tolist()) if r}
@@ -322,20 +323,31 @@ def _run_batch(head: EngineHead, ids: np.ndarray, iterations: int, lean: float, 
 
 
 def maximum_entropy(head: EngineHead, p: torch.Tensor, mask: torch.Tensor, goal: torch.Tensor, iterations: int,
-                    start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    start: torch.Tensor | None = None, own: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Newton's method on F for a batch of points ``p`` (B x d), the logits offset by ``mask`` (B x n: -inf
     for rows a point may not use), until each point is reproduced to ``goal``: (the weights pi, B x n, the
-    least residual ||sum pi_i w_i - p|| seen, the final theta), from theta = ``start`` (zero when None)."""
+    least residual ||sum pi_i w_i - p|| seen, the final theta), from theta = ``start`` (zero when None).
+
+    With ``own`` (B x d: each token's row, its logit masked out, on a head without a bias) a token stops as
+    soon as its own logit at theta leads every rival by 2^-30 of their size: p lies outside the hull, no
+    weights reproduce it, and theta is the witness the caller checks (the steps after that only run theta
+    further out, each a few passes over the head)."""
     device = head.device
     batch = p.shape[0]
     theta = torch.zeros(batch, head.d, dtype=torch.float64, device=device) if start is None else start.clone()
     value, logits = _objective(head, theta, p, mask)
     running = torch.ones(batch, dtype=torch.bool, device=device)
     pi = torch.softmax(logits, dim=1)
+    rival_top = logits.max(dim=1).values if own is not None else None
     best = torch.full((batch,), torch.inf, dtype=torch.float64, device=device)
     least = best.clone()  # the smallest residual seen (best moves only when it halves)
     since = torch.zeros(batch, dtype=torch.int64, device=device)
     for _ in range(iterations):
+        if own is not None:
+            own_logit = (own * theta).sum(dim=1)
+            leads = own_logit - rival_top > 2.0**-30 * (own_logit.abs() + rival_top.abs())
+            running &= ~leads
         live = torch.nonzero(running).flatten()
         if live.numel() == 0:
             break
@@ -386,6 +398,8 @@ def maximum_entropy(head: EngineHead, p: torch.Tensor, mask: torch.Tensor, goal:
             theta[live[ok]] = trial[accept]
             value[live[ok]] = new_value[accept]
             pi[live[ok]] = torch.softmax(new_logits[accept], dim=1)
+            if rival_top is not None:
+                rival_top[live[ok]] = new_logits[accept].max(dim=1).values
             pending[ok] = False
             eta[where[~accept]] *= 0.5
         running[live[pending]] = False  # no decrease along a Newton direction: F is flat or unbounded here
