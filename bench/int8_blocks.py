@@ -6,8 +6,8 @@
 The int8 pass prices each token's own row against every stored row. Over most of
 the rows it forms the symmetric matrix of products once, in square blocks on and
 above the diagonal (integer_pass._symmetric_maxima); over fewer tokens it forms
-blocks of tokens times every row. The rule (integer_pass._symmetric) takes the
-symmetric pass where 2 x tokens > stored rows + the blocks' side. Both give the
+blocks of tokens times square blocks of rows (integer_pass._tiled_maxima). The rule (integer_pass._symmetric) takes the
+symmetric pass where 3 x tokens > 2 x stored rows + the blocks' side. Both give the
 same bounds bit for bit (tests/test_integer_pass.py), so the rule is one of speed
 only: this bench times both ways for token sets of several fractions of the
 vocabulary of bench/families.py's base head, marks the one the rule takes, and
@@ -67,8 +67,9 @@ def main() -> None:
     head = build_engine_head(torch.from_numpy(W).to(args.device), None, np.arange(n), parse_domain("unbounded"), 1e-10)
     rows = integer_pass.integer_rows(head)
     stored = rows.values.shape[0]
-    print(f"{n} x {d}, {args.device}, {args.threads} threads; blocks of side {integer_pass._side(head.device)}; "
-          f"the rule takes the symmetric pass from {(stored + integer_pass._side(head.device)) / 2 / n:.3f} of the rows")
+    side = integer_pass._side(head.device)
+    print(f"{n} x {d}, {args.device}, {args.threads} threads; blocks of side {side}; "
+          f"the rule takes the symmetric pass from {(2 * stored + side) / 3 / n:.3f} of the rows")
     rng = np.random.default_rng(0)
     competitors = torch.nonzero(head.competitor).flatten().cpu().numpy()  # (copies of a row are never tokens here)
     results = []

@@ -278,9 +278,10 @@ def _reference_bounds(head, ids, rows) -> dict:
 @pytest.mark.parametrize("side", (16, 40))
 @pytest.mark.parametrize("group", (4, 64))
 def test_the_symmetric_pass_gives_the_plain_pass_bounds_and_first_rivals(seed, side, group, monkeypatch):
-    """Each product of two stored rows formed once (blocks of ``side``, several bands and steps): every token's
-    bound, rival and slack are those of the products with every row, the first of equal products the rival;
-    rows of half-integers make many ties, and copied rows are masked."""
+    """Each product of two stored rows formed once (blocks of ``side``, several bands and steps), and the
+    tokens in blocks against square blocks of rows: every token's bound, rival and slack are those of the
+    products with every row, the first of equal products the rival; rows of half-integers make many ties,
+    and copied rows are masked."""
     rng = np.random.default_rng(seed)
     n, d = (203, 16) if seed % 2 else (331, 24)
     W = rng.standard_normal((n, d)) * np.exp(1.5 * rng.standard_normal((n, 1)))  # several grid steps
@@ -303,7 +304,12 @@ def test_the_symmetric_pass_gives_the_plain_pass_bounds_and_first_rivals(seed, s
     reference = _reference_bounds(head, ids, rows)
     assert symmetric == reference
     monkeypatch.setattr(integer_pass, "_symmetric", lambda rows, count: False)
-    assert _bounds_by_token(head, ids, rows) == reference
+    assert _bounds_by_token(head, ids, rows) == reference  # one block of tokens x every row
+    monkeypatch.setattr(integer_pass, "_chunk_rows", lambda head: 32)
+    original_tiled = integer_pass._tiled_maxima
+    monkeypatch.setattr(integer_pass, "_tiled_maxima", lambda *a: taken.append(2) or original_tiled(*a))
+    assert _bounds_by_token(head, ids, rows) == reference  # blocks of tokens x square blocks of rows
+    assert 2 in taken
 
 
 def test_audits_through_the_symmetric_pass_match_qhull_and_the_plain_pass(monkeypatch):

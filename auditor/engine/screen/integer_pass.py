@@ -347,8 +347,10 @@ def _side(device: torch.device) -> int:
 
 def _symmetric(rows: IntegerRows, count: int) -> bool:
     """Whether the self-products of ``count`` tokens take the symmetric pass: it forms the products of P stored
-    rows in about P (P + side) / 2 entries, where the plain pass forms count x P of them."""
-    return 2 * count > rows.values.shape[0] + _side(rows.values.device)
+    rows in about P (P + side) / 2 entries, where blocks of tokens form count x P of them, but reduces each
+    block twice, by rows and by columns (the second about twice the cost of the first): from about two
+    thirds of the rows on (bench/int8_blocks.py measures both ways on both sides of the rule)."""
+    return 3 * count > 2 * rows.values.shape[0] + _side(rows.values.device)
 
 
 def _symmetric_maxima(head: EngineHead, rows: IntegerRows, masked: torch.Tensor):
@@ -403,8 +405,9 @@ def _symmetric_maxima(head: EngineHead, rows: IntegerRows, masked: torch.Tensor)
 def self_bounds(head: EngineHead, ids: np.ndarray, rows: IntegerRows):
     """For tokens ``ids`` (each x its own stored row), by chunks: (positions into ids, k, bound, rival, slack) as
     _upper_bounds gives them. Where the tokens are most of the stored rows, all of them competitors, the
-    symmetric pass forms each product once; otherwise blocks of tokens x every row. The bounds are the same
-    either way (the integer maxima are exact; ties keep the first rival)."""
+    symmetric pass forms each product once; otherwise blocks of tokens times every row (square blocks where
+    the tokens are more than one left block, _tiled_maxima). The bounds are the same every way (the integer
+    maxima are exact; ties keep the first rival)."""
     device = head.device
     masked = _masked_positions(head, rows)
     count = len(ids)
@@ -423,6 +426,18 @@ def self_bounds(head: EngineHead, ids: np.ndarray, rows: IntegerRows):
             local = torch.as_tensor(sorted_position[lo:hi] - first, device=device)
             yield (part, k) + _bounds(rows, best[local], at[local], rows.exponent[k], rows.error[k], rows.size[k])
         return
+    if count > _chunk_rows(head) and exact_products(device, _side(device), rows.values.shape[1]):
+        side = _side(device)
+        hidden = torch.zeros(rows.values.shape[0], dtype=torch.bool, device=device)
+        hidden[masked] = True
+        left = torch.zeros(side, rows.values.shape[1], dtype=torch.int8, device=device)
+        buffer = torch.empty(side * side, dtype=torch.int32, device=device)
+        for start in range(0, count, side):
+            part = np.arange(start, min(start + side, count))
+            k = k_all[start:start + part.size]
+            best, at = _tiled_maxima(rows, rows.position[k], hidden, left, buffer)
+            yield (part, k) + _bounds(rows, best, at, rows.exponent[k], rows.error[k], rows.size[k])
+        return
     chunk, gram, left = _blocks(head, count, rows)
     for start in range(0, count, chunk):
         part = np.arange(start, min(start + chunk, count))
@@ -432,6 +447,37 @@ def self_bounds(head: EngineHead, ids: np.ndarray, rows: IntegerRows):
         left[part.size:] = 0
         _product(rows, left, gram, position, masked)
         yield (part, k) + _upper_bounds(rows, rows.exponent[k], rows.error[k], rows.size[k], gram[:part.size])
+
+
+def _tiled_maxima(rows: IntegerRows, position: torch.Tensor, hidden: torch.Tensor, left: torch.Tensor,
+                  buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_step_maxima for the tokens at ``position`` (at most the side of ``left``) against every stored row, the
+    products formed in square blocks of the symmetric pass's side and reduced while they are in cache (one
+    block of tokens x every row runs the product about a third slower on a CPU, and its reductions read it
+    from memory); blocks in increasing position, so the first of equal products stays the rival."""
+    count, side = position.numel(), left.shape[0]
+    total = rows.values.shape[0]
+    best = torch.full((count, len(rows.steps)), _MASKED, dtype=torch.int32, device=left.device)
+    at = torch.zeros(count, len(rows.steps), dtype=torch.int64, device=left.device)
+    left[:count] = rows.values.index_select(0, position)
+    left[count:] = 0
+    tokens = torch.arange(count, device=left.device)
+    for b in range(0, total, side):
+        b_end = min(b + side, total)
+        block = buffer[:side * (b_end - b)].view(side, b_end - b)
+        torch._int_mm(left, rows.values[b:b_end].T, out=block)
+        block = block[:count]
+        column_hidden = torch.nonzero(hidden[b:b_end]).flatten()
+        if column_hidden.numel():
+            block.index_fill_(1, column_hidden, _MASKED)
+        own = (position >= b) & (position < b_end)  # the token's own product
+        block[tokens[own], position[own] - b] = _MASKED
+        for j, (first, end, _, _, _) in enumerate(rows.steps):
+            lo, hi = max(first, b), min(end, b_end)
+            if lo < hi:
+                values_j, found = _first_maxima(block[:, lo - b:hi - b], 1)
+                _merge(best[:, j], at[:, j], values_j, found + lo)
+    return best, at
 
 
 def _product(rows: IntegerRows, left: torch.Tensor, block: torch.Tensor, positions: torch.Tensor,
