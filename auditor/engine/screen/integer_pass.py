@@ -369,12 +369,12 @@ def _symmetric_maxima(head: EngineHead, rows: IntegerRows, masked: torch.Tensor)
     at = torch.zeros(total, len(steps), dtype=torch.int64, device=device)
     hidden = torch.zeros(total, dtype=torch.bool, device=device)
     hidden[masked] = True
-    buffer = torch.empty(max(side, _MIN_CHUNK) * side, dtype=torch.int32, device=device)
-    padded_left = torch.zeros(_MIN_CHUNK, width, dtype=torch.int8, device=device)
+    buffer = torch.empty(side * side, dtype=torch.int32, device=device)
     for a in range(0, total, side):
         a_end = min(a + side, total)
         left = values[a:a_end]
-        if left.shape[0] < _MIN_CHUNK:  # GPUs' int8 kernels ask for more than 16 rows on the left
+        if left.shape[0] < side:  # the last band: padded to the shape the probe checked (exact_products)
+            padded_left = torch.zeros(side, width, dtype=torch.int8, device=device)
             padded_left[:left.shape[0]] = left
             left = padded_left
         band_hidden = torch.nonzero(hidden[a:a_end]).flatten()
