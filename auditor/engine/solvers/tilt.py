@@ -459,11 +459,11 @@ def _heavy_preconditioner(head: EngineHead, pi: torch.Tensor, mean: torch.Tensor
 
     Formed in float32 (it only steers the conjugate gradients, whose products and residuals are the
     Hessian's own), in 2 D d^2 operations. On a head of fewer than 8 D rows it is formed on every row: the
-    Hessian itself, in at most 8 D d^2 operations, so that one or two products of the conjugate gradients
-    finish each step. (The head's precision there took 50 products a step, each a memory-bound pass over
-    the head: on the 4096 x 512 member of bench/families.py the origin's solve took 41 steps and 2.8 s.)"""
+    Hessian itself, in at most 8 D d^2 operations, where the head's precision as the preconditioner leaves
+    the conjugate gradients 40-50 products a step, each a memory-bound pass over the head (the origin's
+    solve on the 4096 x 512 member of bench/families.py takes about 40 steps)."""
     d = head.d
-    count = min(head.n, _HEAVY_ROWS * (d + 1) if head.n >= 4 * _HEAVY_ROWS * (d + 1) else head.n)
+    count = _HEAVY_ROWS * (d + 1) if head.n >= 4 * _HEAVY_ROWS * (d + 1) else head.n
     weights, rows = torch.topk(pi, count)
     # Rows of weight below 2^-60 of the largest change the Hessian by less than that share of it; their
     # float32 terms would be subnormal, which CPUs multiply many times slower
