@@ -55,6 +55,26 @@ def test_a_target_outside_the_pools_hull_gets_none():
     assert maximum_entropy_weights(pool, outside) is None
 
 
+def _origin_solves(head):
+    """tilt.maximum_entropy for the origin to 1e-12, with the lone point's preconditioner and with the head's
+    precision in its place: (the weights, the least residual, the reference weights)."""
+    import torch
+
+    from auditor.engine.solvers import tilt
+
+    origin = torch.zeros(1, head.d, dtype=torch.float64)
+    mask = torch.zeros(1, head.n, dtype=torch.float64)
+    goal = torch.tensor([1e-12], dtype=torch.float64)
+    pi, least, _ = tilt.maximum_entropy(head, origin, mask, goal, 40)
+    real = tilt._heavy_preconditioner
+    try:
+        tilt._heavy_preconditioner = lambda head, pi, mean: head.precision
+        reference, _, _ = tilt.maximum_entropy(head, origin, mask, goal, 40)
+    finally:
+        tilt._heavy_preconditioner = real
+    return pi, least, reference
+
+
 @pytest.mark.parametrize("offset", [0.0, 2.0])
 def test_a_lone_point_s_solve_reaches_the_weights_of_the_head_s_preconditioner(rng, offset):
     """tilt.maximum_entropy for one point (the origin of anchor.py) on a head of many rows: its conjugate
@@ -74,19 +94,10 @@ def test_a_lone_point_s_solve_reaches_the_weights_of_the_head_s_preconditioner(r
     W[:, 0] += offset * np.sqrt(spectrum[0])
     W = torch.from_numpy(W)
     head = build_engine_head(W, None, duplicate_groups(W, None), Unbounded(), 1e-10)
-    origin = torch.zeros(1, d, dtype=torch.float64)
-    mask = torch.zeros(1, n, dtype=torch.float64)
-    goal = torch.tensor([1e-12], dtype=torch.float64)
     assert tilt._heavy_preconditioner(head, torch.full((n,), 1.0 / n, dtype=torch.float64),
                                       head.centre) is not head.precision  # the heavy rows' Hessian is used
-    pi, least, _ = tilt.maximum_entropy(head, origin, mask, goal, 40)
+    pi, least, reference = _origin_solves(head)
     assert float(least[0]) <= 1e-12
-    real = tilt._heavy_preconditioner
-    try:
-        tilt._heavy_preconditioner = lambda head, pi, mean: head.precision
-        reference, _, _ = tilt.maximum_entropy(head, origin, mask, goal, 40)
-    finally:
-        tilt._heavy_preconditioner = real
     assert torch.all(pi > 0)
     assert float((pi - reference).abs().max()) <= 1e-9 * float(reference.max())
     assert float(torch.linalg.vector_norm(pi[0] @ W)) <= 1e-12
@@ -221,17 +232,8 @@ def test_a_lone_point_on_a_head_of_few_rows_is_preconditioned_by_the_hessian_its
     hessian = (W - mean).T @ ((W - mean) * pi[:, None]) + 1e-6 * head.covariance
     metric = tilt._heavy_preconditioner(head, pi, mean)
     assert float((metric @ hessian - torch.eye(d, dtype=torch.float64)).abs().max()) <= 1e-4
-    origin = torch.zeros(1, d, dtype=torch.float64)
-    mask = torch.zeros(1, n, dtype=torch.float64)
-    goal = torch.tensor([1e-12], dtype=torch.float64)
-    found, least, _ = tilt.maximum_entropy(head, origin, mask, goal, 40)
+    found, least, reference = _origin_solves(head)
     assert float(least[0]) <= 1e-12
-    real = tilt._heavy_preconditioner
-    try:
-        tilt._heavy_preconditioner = lambda head, pi, mean: head.precision
-        reference, _, _ = tilt.maximum_entropy(head, origin, mask, goal, 40)
-    finally:
-        tilt._heavy_preconditioner = real
     assert float((found - reference).abs().max()) <= 1e-9 * float(reference.max())
 
 

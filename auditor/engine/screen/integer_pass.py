@@ -325,11 +325,9 @@ def _first_maxima(part: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Ten
 def _step_maxima(rows: IntegerRows, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each step's largest product in every row of ``block`` (left vectors x every stored row) and the position
     of its first rival: (count x steps int32, count x steps int64)."""
-    best = torch.empty(block.shape[0], len(rows.steps), dtype=torch.int32, device=block.device)
-    at = torch.empty(block.shape[0], len(rows.steps), dtype=torch.int64, device=block.device)
-    for j, (first, end, _, _, _) in enumerate(rows.steps):
-        best[:, j], found = _first_maxima(block[:, first:end], 1)
-        at[:, j] = found + first
+    best = torch.full((block.shape[0], len(rows.steps)), _MASKED, dtype=torch.int32, device=block.device)
+    at = torch.zeros(block.shape[0], len(rows.steps), dtype=torch.int64, device=block.device)
+    _merge_rows(rows, block, 0, best, at)
     return best, at
 
 
@@ -390,11 +388,8 @@ def _symmetric_maxima(head: EngineHead, rows: IntegerRows, masked: torch.Tensor)
                 block.index_fill_(1, column_hidden, _MASKED)
             if b == a:  # the token's own product
                 block.fill_diagonal_(_MASKED)
+            _merge_rows(rows, block, b, best[a:a_end], at[a:a_end])  # the band's tokens over these columns
             for j, (first, end, _, _, _) in enumerate(steps):
-                lo, hi = max(first, b), min(end, b_end)
-                if lo < hi:  # the band's tokens over these columns
-                    values_j, found = _first_maxima(block[:, lo - b:hi - b], 1)
-                    _merge(best[a:a_end, j], at[a:a_end, j], values_j, found + lo)
                 lo, hi = max(first, a), min(end, a_end)
                 if b > a and lo < hi:  # the columns' tokens over the band's rows
                     values_j, found = _first_maxima(block[lo - a:hi - a], 0)
@@ -472,12 +467,18 @@ def _tiled_maxima(rows: IntegerRows, position: torch.Tensor, hidden: torch.Tenso
             block.index_fill_(1, column_hidden, _MASKED)
         own = (position >= b) & (position < b_end)  # the token's own product
         block[tokens[own], position[own] - b] = _MASKED
-        for j, (first, end, _, _, _) in enumerate(rows.steps):
-            lo, hi = max(first, b), min(end, b_end)
-            if lo < hi:
-                values_j, found = _first_maxima(block[:, lo - b:hi - b], 1)
-                _merge(best[:, j], at[:, j], values_j, found + lo)
+        _merge_rows(rows, block, b, best, at)
     return best, at
+
+
+def _merge_rows(rows: IntegerRows, block: torch.Tensor, b: int, best: torch.Tensor, at: torch.Tensor) -> None:
+    """Merges into ``best`` and ``at`` (tokens x steps) each step's first maximum of the rows of ``block``, whose
+    columns are the stored positions b, b + 1, ..."""
+    for j, (first, end, _, _, _) in enumerate(rows.steps):
+        lo, hi = max(first, b), min(end, b + block.shape[1])
+        if lo < hi:
+            values_j, found = _first_maxima(block[:, lo - b:hi - b], 1)
+            _merge(best[:, j], at[:, j], values_j, found + lo)
 
 
 def _product(rows: IntegerRows, left: torch.Tensor, block: torch.Tensor, positions: torch.Tensor,
