@@ -260,3 +260,29 @@ def test_an_origin_the_leading_rows_do_not_hold_takes_the_whole_head_s_solve(n, 
     assert n - 1 not in indices and indices.size <= d + 1
     assert convex_residual(W, None, n - 1, indices, weights)[0] <= 1e-12
     assert lp_margin(W, None, n - 1)[0] <= 1e-9
+
+
+def test_rows_at_the_origin_stay_out_of_its_solve_which_stops_once_a_theta_separates_it(rng, monkeypatch):
+    # Reserved rows at zero with every other row on one side of the origin: the origin is a row, a vertex of
+    # the hull, so weights that rest on that row alone reproduce it and certify nothing. Without the rows at
+    # the origin a theta soon puts the origin's logit above every row's: the solve stops there (a handful of
+    # Newton steps in place of the iteration limit) and the route finds no basis; the zero rows are decided
+    # as the LP over all rows decides them (a group that can win together).
+    from auditor.engine.solvers import anchor, tilt
+
+    n, d = 600, 8
+    W = trained_like(rng, n, d, offset=4.0)
+    W[-3:] = 0.0
+    assert lp_margin(W[:-2], None, n - 3)[0] > 1e-3  # the zero row's group wins along some z
+    head = engine_head(W)
+    steps = []
+    newton = tilt._newton_steps
+    monkeypatch.setattr(tilt, "_newton_steps", lambda *a: steps.append(1) or newton(*a))
+    assert anchor._whole_head(head, anchor._given_origin(head), 40, torch.from_numpy(np.arange(n) >= n - 3)) is None
+    assert 1 <= len(steps) <= 10
+    assert anchor._Origin(head, 40).basis is None
+    assert anchored_certificates(head, np.array([n - 3])) == {}
+    report = auditor.audit(W, progress=False)
+    assert [report.tokens[k].verdict for k in range(n - 3, n)] == ["tied"] * 3
+    assert report.tokens[n - 3].group_verdict == "argmaxable"
+    assert auditor.verify(report, W).ok

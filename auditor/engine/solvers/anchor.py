@@ -53,16 +53,20 @@ _BATCH = 64
 
 
 class _Origin:
-    """The origin's basis (None when the origin is not inside the hull of the rows)."""
+    """The origin's basis (None when the origin is not inside the hull of the rows); ``norms``: each row's
+    distance from the origin when the caller has them. Rows at the origin itself stay out of the solves."""
 
-    def __init__(self, head: EngineHead, iterations: int):
+    def __init__(self, head: EngineHead, iterations: int, norms: torch.Tensor | None = None):
         self.point = _given_origin(head)
         self.basis = None
-        found = _pooled(head, self.point)
+        if norms is None:
+            norms = robust_row_norms(head.weight, head.origin)
+        at_origin = norms == 0
+        found = _pooled(head, self.point, at_origin)
         if found is None:
             found = _tilted(head, self.point)
         if found is None:
-            found = _whole_head(head, self.point, iterations)
+            found = _whole_head(head, self.point, iterations, at_origin)
         if found is None:
             return  # the origin is outside the hull, or on its boundary
         support, weights = found
@@ -70,7 +74,8 @@ class _Origin:
         self.basis = Basis(head, pool.indices, indices, pool.lifted(head))
 
 
-def _pooled(head: EngineHead, point: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+def _pooled(head: EngineHead, point: torch.Tensor, at_point: torch.Tensor | None = None
+            ) -> tuple[np.ndarray, np.ndarray] | None:
     """Maximum-entropy weights for ``point`` on the rows that lead along the first Newton step of the whole
     head's solve (the precision matrix times point - centre, which a tilt towards the point follows first),
     or None when their hull does not hold it (then the whole head's solve runs). The rows taken: those
@@ -81,9 +86,10 @@ def _pooled(head: EngineHead, point: torch.Tensor) -> tuple[np.ndarray, np.ndarr
     where m is at most a quarter of the rows (the point well off the centre; near it, too many rows lead it
     for the pool to save much) and at least D / 2 rows lie beyond the point (with fewer, their hull holds it
     in too few directions: at 32768 x 2048, 952 rows beyond, a pool of 2D missed it after 10 s of solves).
-    A function of the head alone: scores from fast_logits, ties by row."""
+    A function of the head alone: scores from fast_logits, ties by row. Rows ``at_point`` (n, bool) stay out.
+    """
     dim = lifted_dimension(head)
-    rivals = torch.nonzero(head.competitor).flatten()
+    rivals = torch.nonzero(head.competitor if at_point is None else head.competitor & ~at_point).flatten()
     direction = (point - head.centre) @ head.precision
     scores = head.fast_logits(direction[None, :])[0, rivals].cpu().numpy()
     beyond = int((scores > float(direction @ point)).sum())
@@ -111,15 +117,23 @@ def _tilted(head: EngineHead, point: torch.Tensor) -> tuple[np.ndarray, np.ndarr
     return (chosen, weights) if weights is not None else None
 
 
-def _whole_head(head: EngineHead, point: torch.Tensor, iterations: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Maximum-entropy weights for ``point`` on all rows (tilt.maximum_entropy: Newton's method over the
-    head), or None when they do not reproduce it to a token's tolerance."""
+def _whole_head(head: EngineHead, point: torch.Tensor, iterations: int, at_point: torch.Tensor | None = None
+                ) -> tuple[np.ndarray, np.ndarray] | None:
+    """Maximum-entropy weights for ``point`` on all rows but those ``at_point`` (tilt.maximum_entropy:
+    Newton's method over the head), or None when they do not reproduce it to a token's tolerance.
+
+    A row at the point would let the weights reproduce it by resting on that row alone, which certifies
+    nothing the route needs, and Newton reaches such a vertex only slowly (every step a few passes over the
+    head: 2 s at 4096 x 512). Without those rows the point is either inside the others' hull, or some theta
+    puts its logit above every row's, where the solve stops at once (``own``)."""
     mask = torch.zeros(1, head.n, dtype=torch.float64, device=head.device)
     if head.row_mask is not None:
         mask += head.row_mask[None, :]
+    if at_point is not None:
+        mask[0, at_point] = -torch.inf
     # as a token's own solve aims (its tolerance, which the tokens' certificates scale by 1/mu)
     goal = torch.tensor([head.residual_tol * head.typical_spread], dtype=torch.float64, device=head.device)
-    pi, least, _ = maximum_entropy(head, point[None, :], mask, goal, iterations)
+    pi, least, _ = maximum_entropy(head, point[None, :], mask, goal, iterations, own=point[None, :])
     if not bool(least[0] <= goal[0]):
         return None
     support = torch.nonzero(pi[0] > 0).flatten()
@@ -140,7 +154,7 @@ def anchored_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 4
             if distance <= _REACH * head.typical_spread]
     if not near:
         return found
-    origin = _Origin(head, iterations)
+    origin = _Origin(head, iterations, given[1] if given is not None else None)
     if origin.basis is None:
         return found
     dim = lifted_dimension(head)
