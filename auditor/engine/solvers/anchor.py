@@ -15,12 +15,14 @@ The origin's certificate is found once per audit (every rank or block of ids fin
 same one): maximum-entropy weights on the rows that lead along the first
 Newton step towards the origin (_pooled), or on rows drawn around it (_tilted)
 where that pool declines or misses, or where their hulls miss it on all rows by
-Newton's method (tilt.maximum_entropy), reduced to at most D rows
+Newton's method (tilt.maximum_entropy; rows at the origin itself stay out of the
+first and the last of these: a vertex there would hold the origin and certify
+nothing the route needs), reduced to at most D rows
 (caratheodory.reduce_support), whose basis on the rows of the reduction's last
 round starts the dual simplex (dual_simplex.Basis) for each token's own point p,
 the point of its ray closest to the origin: a few pivots from the origin's
 basis. Row k itself may carry weight in p's combination (a row of the origin's
-basis, or the zero row the origin's weights rest on): from
+basis, or a zero row that rows drawn around the origin rest on): from
 w_k = a w_k + sum_i c_i w_i with a < 1, w_k = sum_i c_i w_i / (1 - a), a convex
 combination of the others, so the token's own row never has to be pivoted out.
 With the weight on w_j the certificate has at most D + 1 rows, and one
