@@ -106,6 +106,43 @@ def test_a_transposed_weight_and_shape_ops_before_argmax(tmp_path, head_rows):
     assert_head_computes_the_graphs_logits(path, head)
 
 
+def pointwise_conv(tmp_path, kernel, bias, group=1):
+    """x [1, D] -> [1, D, 1, ...] -> Conv(kernel, bias) -> channels last -> ArgMax, as CTC recognisers end."""
+    spatial = kernel.ndim - 2
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["image"]),
+             helper.make_node("Conv", ["image", "K"] + (["B"] if bias is not None else []), ["conv"], group=group,
+                              kernel_shape=list(kernel.shape[2:])),
+             helper.make_node("Transpose", ["conv"], ["logits"], perm=[0, *range(2, 2 + spatial), 1]),
+             helper.make_node("ArgMax", ["logits"], ["probs"], axis=-1)]
+    constants = [("K", kernel), ("shape", np.array([1, D] + [kernel.shape[2]] * spatial, np.int64))]
+    return save(tmp_path / "model.onnx", nodes, constants + ([("B", bias)] if bias is not None else []))
+
+
+@pytest.mark.parametrize("spatial", [1, 2])
+def test_a_pointwise_conv_before_argmax_is_the_head(tmp_path, head_rows, capsys, spatial):
+    # PaddleOCR-style recognisers end in a 1 x 1 convolution over the sequence: W x + b at every position
+    weight, bias = head_rows
+    path = pointwise_conv(tmp_path, weight.reshape(N, D, *[1] * spatial), bias)
+    head = load_head(path)
+    np.testing.assert_array_equal(head.weight, weight)
+    np.testing.assert_array_equal(head.bias, bias)
+    assert "Conv" in head.notes[0] and "ArgMax" in head.notes[0] and f"read as {N} x {D}" in head.notes[0]
+    assert_head_computes_the_graphs_logits(path, head)
+    assert main([str(path), "--list-tensors"]) == 0
+    assert capsys.readouterr().out.split()[0] == "K"  # the kernel is listed with the matrices
+
+
+@pytest.mark.parametrize("kernel, group", [(3, 1), (1, 2)])
+def test_a_conv_that_mixes_positions_or_splits_channels_is_no_head(tmp_path, capsys, kernel, group):
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal((6, D // group, kernel)).astype(np.float32)
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["image"]),
+             helper.make_node("Conv", ["image", "K"], ["conv"], group=group, kernel_shape=[kernel]),
+             helper.make_node("ArgMax", ["conv"], ["probs"], axis=1)]
+    path = save(tmp_path / "model.onnx", nodes, [("K", weights), ("shape", np.array([1, D, 5], np.int64))])
+    assert "no classifier head found" in audit_error(capsys, path)
+
+
 def test_a_constant_node_weight_is_read(tmp_path, head_rows):
     weight, _ = head_rows
     constant = helper.make_node("Constant", [], ["W"], value=numpy_helper.from_array(weight.T.copy(), "W"))
@@ -255,7 +292,7 @@ def test_two_heads_are_ambiguous_and_weight_picks_one(tmp_path, head_rows, capsy
     head = load_head(path, weight="W2")
     assert head.shape == (5, D) and head.bias_name == "b2"
     np.testing.assert_array_equal(head.weight, head_rows[0][:5])
-    assert "no MatMul or Gemm" in audit_error(capsys, path, "--weight", "nothing")
+    assert "no MatMul, Gemm or pointwise Conv" in audit_error(capsys, path, "--weight", "nothing")
 
 
 def test_list_tensors_lists_the_2d_constants(tmp_path, head_rows, capsys):

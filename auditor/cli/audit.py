@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="an earlier --format json report of the same vocabulary (the base model, the last "
                              "release): findings are marked new or unchanged, and only new ones fail")
     parser.add_argument("--certificates", type=Path, metavar="FILE", help="write every certificate as JSON, for re-checking")
-    parser.add_argument("--list-tensors", action="store_true", help="list the checkpoint's 2-D tensors and exit")
+    parser.add_argument("--list-tensors", action="store_true",
+                        help="list the checkpoint's 2-D tensors (and pointwise convolution kernels) and exit")
     parser.add_argument("--all-checkpoints", action="store_true",
                         help="PATH is a Trainer output folder: audit each of its checkpoint-N/ folders with the same "
                              "options, in step order, and report the trend (text or json: one row per checkpoint, "
@@ -237,7 +238,10 @@ def parse_shard(text: str, n: int) -> tuple[int, int, range]:
 
 
 def _list_tensors(path: Path) -> str:
-    rows = [info for info in list_tensors(path) if len(info.shape) == 2]
+    """The matrices a head can be: 2-D tensors, and convolution kernels one position wide (vocabulary x hidden
+    x 1 ...), which an ONNX recogniser's pointwise Conv head stores."""
+    rows = [info for info in list_tensors(path)
+            if len(info.shape) == 2 or (len(info.shape) > 2 and all(size == 1 for size in info.shape[2:]))]
     width = max((len(info.name) for info in rows), default=4)
     return "".join(f"{info.name:<{width}}  {' x '.join(map(str, info.shape)):>14}  {info.dtype}\n" for info in rows)
 

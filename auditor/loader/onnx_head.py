@@ -1,7 +1,8 @@
 """ONNX models (the auditor[onnx] extra): the classifier head found from the graph's structure.
 
-The head is a MatMul or Gemm (or a quantised MatMulInteger) whose weight is a constant (an initializer
-or a Constant node's output, possibly through Transpose, Cast or DequantizeLinear) and whose output
+The head is a MatMul or Gemm (or a quantised MatMulInteger, or a Conv whose kernel covers one position:
+the 1 x 1 convolutions that CTC recognisers such as PaddleOCR's end in) whose weight is a constant (an
+initializer or a Constant node's output, possibly through Transpose, Cast or DequantizeLinear) and whose output
 reaches a Softmax, LogSoftmax, ArgMax or a graph output through shape ops only (Reshape, Squeeze,
 Identity, ...) and at most one Add of a constant: the bias. So it is the last such layer, the one that
 computes the logits; the graph is read, never run. Its weight comes out as vocabulary x hidden
@@ -39,7 +40,7 @@ _INTEGER = {"MatMulInteger": (1, None, 3, None), "DynamicQuantizeMatMul": (1, 2,
 class _Head:
     """A head the graph computes: the matrix product, its weight, and where its output goes."""
 
-    node: object  # the MatMul, Gemm or integer product
+    node: object  # the MatMul, Gemm, integer product or pointwise Conv
     weight: Chain
     weight_on_left: bool  # W @ X (the weight is the product's first input): rows are already the vocabulary
     vocabulary: int
@@ -63,8 +64,11 @@ class OnnxStore(OnnxGraph):
     format = "onnx"
 
     def _product(self, node) -> _Head | None:
-        """The head computed by a MatMul, Gemm or integer product whose weight is a constant; else None."""
+        """The head computed by a MatMul, Gemm, integer product or pointwise Conv whose weight is a constant;
+        else None."""
         op = node.op_type
+        if op == "Conv":
+            return self._pointwise(node)
         if op not in ("MatMul", "Gemm") and op not in _INTEGER:
             return None
         inputs = list(node.input) + [""] * 7
@@ -105,6 +109,23 @@ class OnnxStore(OnnxGraph):
             if head.scale is None or (inputs[zero_at] and head.zero_point is None):
                 return None
         self._follow(head, output)
+        return head
+
+    def _pointwise(self, node) -> _Head | None:
+        """A Conv whose kernel is one position wide in every spatial axis and whose channels form one group: at
+        every position (padding's zeros included) it computes W x + b on the channels x, W = the kernel as
+        vocabulary x hidden. Wider kernels and grouped channels mix positions or split the hidden state: None."""
+        inputs = list(node.input) + [""] * 2
+        weight = self._chain(inputs[1])
+        if (self._is_constant(inputs[0]) or weight is None or len(weight.shape) < 3
+                or any(size != 1 for size in weight.shape[2:]) or node_attribute(node, "group", 1) != 1):
+            return None
+        head = _Head(node, weight, True, weight.shape[0])
+        if inputs[2]:
+            head.bias = self._chain(inputs[2])
+            if head.bias is None or head.bias.size != head.vocabulary:
+                return None
+        self._follow(head, node.output[0])
         return head
 
     def _integer_scale(self, value: str) -> tuple[Chain, str] | None:
@@ -165,15 +186,15 @@ class OnnxStore(OnnxGraph):
             named = [head for head in heads if weight in head.weight.names]
             if not named:
                 found = "; ".join(head.describe() for head in heads if head.reaches) or "none"
-                raise InputError(f"{self._path}: no MatMul or Gemm of the ONNX graph takes {weight!r} as its weight "
-                                 f"(heads found: {found}; --list-tensors lists the constants)")
+                raise InputError(f"{self._path}: no MatMul, Gemm or pointwise Conv of the ONNX graph takes {weight!r} "
+                                 f"as its weight (heads found: {found}; --list-tensors lists the constants)")
             heads = named
         else:
             heads = [head for head in heads if head.reaches]
             if not heads:
-                raise InputError(f"{self._path}: no classifier head found in the ONNX graph: no MatMul or Gemm with a "
-                                 "constant weight feeds a Softmax, LogSoftmax, ArgMax or a graph output through shape "
-                                 "ops and a bias Add")
+                raise InputError(f"{self._path}: no classifier head found in the ONNX graph: no MatMul, Gemm or "
+                                 "pointwise Conv with a constant weight feeds a Softmax, LogSoftmax, ArgMax or a graph "
+                                 "output through shape ops and a bias Add")
         best = max(head.score for head in heads)
         heads = [head for head in heads if head.score == best]
         if len(heads) > 1:
@@ -186,6 +207,8 @@ class OnnxStore(OnnxGraph):
         """The head as vocabulary x hidden, with its bias (``bias``: a constant's name, or "none")."""
         found = self.find_head(weight)
         matrix = self._evaluate(found.weight)
+        if found.node.op_type == "Conv":
+            matrix = matrix.reshape(matrix.shape[:2])  # the kernel's positions are all 1 wide
         notes = []
         op, constant = found.node.op_type, found.weight.constant
         if op in _INTEGER:
