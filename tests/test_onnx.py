@@ -143,6 +143,44 @@ def test_a_conv_that_mixes_positions_or_splits_channels_is_no_head(tmp_path, cap
     assert "no classifier head found" in audit_error(capsys, path)
 
 
+def test_a_conv_bias_added_after_it_is_taken_only_with_the_classes_on_the_channel_axis(tmp_path, head_rows, capsys):
+    # Conv output is batch x classes x positions: a bias M x 1 adds one value per class; a bias of M values
+    # alone broadcasts along the positions, so it is no bias of the classes and the head is refused
+    weight, bias = head_rows
+    for shape, read in (((N, 1), True), ((1, N, 1), True), ((N,), False)):
+        nodes = [helper.make_node("Reshape", ["x", "shape"], ["image"]),
+                 helper.make_node("Conv", ["image", "K"], ["conv"], kernel_shape=[1]),
+                 helper.make_node("Add", ["conv", "B"], ["biased"]),
+                 helper.make_node("Transpose", ["biased"], ["logits"], perm=[0, 2, 1]),
+                 helper.make_node("ArgMax", ["logits"], ["probs"], axis=-1)]
+        path = save(tmp_path / f"model{len(shape)}{read}.onnx", nodes,
+                    [("K", weight.reshape(N, D, 1)), ("shape", np.array([1, D, 1], np.int64)),
+                     ("B", bias.reshape(shape))])
+        if read:
+            head = load_head(path)
+            np.testing.assert_array_equal(head.bias, bias)
+            assert_head_computes_the_graphs_logits(path, head)
+        else:
+            assert "no classifier head found" in audit_error(capsys, path)
+
+
+def test_a_one_channel_conv_scoring_positions_leaves_the_matmul_head_alone(tmp_path, head_rows):
+    # a context block's attention (1 x 1 Conv to one channel, Softmax over positions) is not a head
+    weight, bias = head_rows
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["image"]),
+             helper.make_node("Conv", ["image", "C"], ["scores"], kernel_shape=[1]),
+             helper.make_node("Softmax", ["scores"], ["attention"], axis=2),
+             helper.make_node("MatMul", ["x", "W"], ["mm"]),
+             helper.make_node("Add", ["mm", "b"], ["logits"]),
+             helper.make_node("Softmax", ["logits"], ["probs"], axis=-1)]
+    path = save(tmp_path / "model.onnx", nodes, [("C", np.ones((1, D, 1), np.float32)),
+                                                 ("shape", np.array([1, D, 1], np.int64)),
+                                                 ("W", weight.T.copy()), ("b", bias)])
+    head = load_head(path)
+    assert head.weight_name == "W"
+    np.testing.assert_array_equal(head.weight, weight)
+
+
 def test_a_constant_node_weight_is_read(tmp_path, head_rows):
     weight, _ = head_rows
     constant = helper.make_node("Constant", [], ["W"], value=numpy_helper.from_array(weight.T.copy(), "W"))

@@ -114,10 +114,11 @@ class OnnxStore(OnnxGraph):
     def _pointwise(self, node) -> _Head | None:
         """A Conv whose kernel is one position wide in every spatial axis and whose channels form one group: at
         every position (padding's zeros included) it computes W x + b on the channels x, W = the kernel as
-        vocabulary x hidden. Wider kernels and grouped channels mix positions or split the hidden state: None."""
+        vocabulary x hidden. Wider kernels and grouped channels mix positions or split the hidden state, and one
+        output channel scores positions, not classes (a context block's attention: a Softmax over positions): None."""
         inputs = list(node.input) + [""] * 2
         weight = self._chain(inputs[1])
-        if (self._is_constant(inputs[0]) or weight is None or len(weight.shape) < 3
+        if (self._is_constant(inputs[0]) or weight is None or len(weight.shape) < 3 or weight.shape[0] < 2
                 or any(size != 1 for size in weight.shape[2:]) or node_attribute(node, "group", 1) != 1):
             return None
         head = _Head(node, weight, True, weight.shape[0])
@@ -166,8 +167,22 @@ class OnnxStore(OnnxGraph):
                         stack.append((node.output[0], bias, reshaped or op in _RESHAPING))
                 elif op == "Add" and bias is None and len(node.input) == 2:
                     added = self._chain(node.input[1] if first else node.input[0])
-                    if added is not None and added.size == head.vocabulary:
+                    if added is not None and added.size == head.vocabulary and self._on_classes(head, added, reshaped):
                         stack.append((node.output[0], added, reshaped))
+
+    @staticmethod
+    def _on_classes(head: _Head, added: Chain, reshaped: bool) -> bool:
+        """Whether an Add of ``added`` lands one value per class: a Conv's output has its classes on axis 1,
+        positions after them, so its bias must have one unit axis per position axis (1 x M x 1 ..., or M x 1 ...; a
+        bias of M values alone would broadcast along the last position axis). After a reshape, as for a product's
+        output, the classes are taken to be where the bias lines up."""
+        if head.node.op_type != "Conv" or reshaped:
+            return True
+        spatial = len(head.weight.shape) - 2
+        shape = list(added.shape)
+        while len(shape) > spatial + 1 and shape[0] == 1:
+            shape.pop(0)
+        return shape == [head.vocabulary] + [1] * spatial
 
     @staticmethod
     def _reach(head: _Head, where: str, score: int, bias: Chain | None) -> None:

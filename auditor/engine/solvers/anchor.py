@@ -61,8 +61,8 @@ class _Origin:
     def __init__(self, head: EngineHead, iterations: int, norms: torch.Tensor | None = None):
         self.point = _given_origin(head)
         self.basis = None
-        if norms is None:
-            norms = robust_row_norms(head.weight, head.origin)
+        if norms is None:  # ||w_i - o||: the head's own row norms where it was not translated (no copy of it)
+            norms = head.row_norm if head.origin is None else robust_row_norms(head.weight, head.origin)
         at_origin = norms == 0
         found = _pooled(head, self.point, at_origin)
         if found is None:
