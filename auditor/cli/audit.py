@@ -238,11 +238,7 @@ def parse_shard(text: str, n: int) -> tuple[int, int, range]:
 
 
 def _list_tensors(path: Path) -> str:
-    """The matrices a head can be: 2-D tensors, and in an ONNX model convolution kernels one position wide
-    (vocabulary x hidden x 1 ...), which a recogniser's pointwise Conv head stores."""
-    onnx = Path(path).suffix == ".onnx" or (Path(path).is_dir() and any(Path(path).glob("*.onnx")))
-    rows = [info for info in list_tensors(path) if len(info.shape) == 2
-            or (onnx and len(info.shape) > 2 and all(size == 1 for size in info.shape[2:]))]
+    rows = list_tensors(path, matrices=True)
     width = max((len(info.name) for info in rows), default=4)
     return "".join(f"{info.name:<{width}}  {' x '.join(map(str, info.shape)):>14}  {info.dtype}\n" for info in rows)
 

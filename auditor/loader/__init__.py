@@ -93,11 +93,19 @@ def _refuse_foreign_folder(folder: Path) -> None:
                              f"does not read: {foreign.advice}")
 
 
-def list_tensors(path: Path) -> list[TensorInfo]:
-    """The tensors of a checkpoint with their shapes and dtypes, by name."""
+def list_tensors(path: Path, matrices: bool = False) -> list[TensorInfo]:
+    """The tensors of a checkpoint with their shapes and dtypes, by name. ``matrices``: only those a head can be
+    read from: 2-D tensors, and in an ONNX model convolution kernels one position wide (vocabulary x hidden x
+    1 ...), which a recogniser's pointwise Conv head stores."""
     if is_hub_id(path):
-        return hub.list_tensors(str(path))
-    return sorted(open_store(Path(path)).tensors().values(), key=lambda info: info.name)
+        found, kernels = hub.list_tensors(str(path)), False
+    else:
+        store = open_store(Path(path))
+        found, kernels = sorted(store.tensors().values(), key=lambda info: info.name), store.format == "onnx"
+    if matrices:
+        found = [info for info in found if len(info.shape) == 2
+                 or (kernels and len(info.shape) > 2 and all(size == 1 for size in info.shape[2:]))]
+    return found
 
 
 def _norm_kind(config: dict, store, has_bias: bool) -> tuple[str, float]:
