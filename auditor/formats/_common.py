@@ -92,12 +92,14 @@ def _domain_words(domain: str) -> str:
         return f"the {kind} of radius {radius}"
     if kind == "norm":
         return "the final norm's outputs"
+    if kind == "nonneg":
+        return "the non-negative hidden states" + (f" of norm at most {radius}" if radius else "")
     return domain
 
 
 def dual_bound_legend(doc: dict) -> str | None:
     """What a dual bound means, for reports whose listed findings show one."""
-    if doc["domain"] == "unbounded":
+    if doc["domain"] in ("unbounded", "nonneg"):  # their certificates state a residual, not a dual bound
         return None
     # an unexplained finding says it in its own cell; an explained one has room only for the number
     shown = (f for _, listed, _ in grouped_findings(doc) for f in listed)
@@ -118,7 +120,7 @@ def _certificate_fact(finding: dict, doc: dict, explained: bool) -> str:
     if verdict == "unargmaxable":
         residual = _number(finding["residual"], "not stated")
         # "unbounded hull" (norm domain): inside the hull of the rows as given, a distance, not a dual bound
-        if doc["domain"] == "unbounded" or finding.get("stage") == "unbounded hull":
+        if doc["domain"] in ("unbounded", "nonneg") or finding.get("stage") == "unbounded hull":
             return f"residual {residual}"
         # in a bounded domain the certificate's number is s_D(w_k - sum a_i w_i) + b_k - sum a_i b_i,
         # an upper bound on the token's margin over the domain, not a distance between rows; it may be

@@ -157,7 +157,7 @@ def margin_histogram(doc: dict, data: PlotData) -> Plot:
 
 def _margin_label(doc: dict, formula: bool = True) -> str:
     # an unbounded head without bias quotes its margins for z / ||z||, a scale-free number
-    unit_ball = doc["domain"] == "unbounded" and doc["head"]["bias"] is None
+    unit_ball = doc["domain"] in ("unbounded", "nonneg") and doc["head"]["bias"] is None
     return ("margin min_i (l_k(z) − l_i(z))" if formula else "margin") + (" on the unit ball" if unit_ball else "")
 
 

@@ -7,6 +7,10 @@ for Box), which the dual certificates need; the norm itself ("gauge")
 decides membership and how far a direction can be scaled and stay inside,
 which turns a winning direction into a witness.
 
+The orthant ``NonNeg`` (z >= 0, optionally with ||z|| <= r) is not a ball of a norm: its support function
+is 0 or infinite (unbounded) or ``r ||v_+||`` (bounded), v_+ the positive part of v, since the best
+z >= 0 of norm at most r puts its weight on v's positive coordinates only.
+
 Euclidean norms are computed by the caller's function where one is passed
 (``euclidean``): the checker and the certifier divide the peak out first so
 that no square overflows, the search does not; the domain does not choose.
@@ -40,6 +44,7 @@ class Unbounded:
 
     bounded = False
     polyhedral = True  # R^d is a polyhedron: its problems are linear programs
+    orthant = False  # z >= 0 (NonNeg)
 
     def __str__(self) -> str:
         return "unbounded"
@@ -73,6 +78,7 @@ class _Radial:
 
     radius: float
     bounded = True
+    orthant = False
 
     def support(self, v: np.ndarray, euclidean=np.linalg.norm) -> float:
         """s_D(v) = r ||v||_*, as computed (no rounding bound)."""
@@ -230,6 +236,7 @@ class Norm:
     the ball of the reduced head instead."""
 
     bounded = True
+    orthant = False
 
     def __str__(self) -> str:
         return "norm"
@@ -239,7 +246,100 @@ class Norm:
         return True
 
 
-Domain = Unbounded | Ball | Box | Norm
+@dataclass(frozen=True)
+class NonNeg:
+    """Hidden states with every coordinate at least 0 (a ReLU's or a pooled ReLU's outputs), and of Euclidean
+    norm at most ``radius`` when one is given."""
+
+    radius: float | None = None
+    orthant = True
+
+    def __post_init__(self):
+        if self.radius is not None:
+            _check_radius(self.radius, "nonneg")
+
+    @property
+    def bounded(self) -> bool:
+        return self.radius is not None
+
+    @property
+    def polyhedral(self) -> bool:  # with a radius, a second-order cone cut by the orthant
+        return self.radius is None
+
+    def __str__(self) -> str:
+        return "nonneg" if self.radius is None else f"nonneg:{_exact(self.radius)}"
+
+    def support(self, v: np.ndarray, euclidean=np.linalg.norm) -> float:
+        """s_D(v): unbounded 0 when v <= 0 and infinite otherwise; bounded r ||v_+||, as computed."""
+        positive = np.maximum(v, 0.0)
+        if self.radius is None:
+            return 0.0 if not np.any(positive) else math.inf
+        return self.radius * float(euclidean(positive))
+
+    def largest_scale(self, direction: np.ndarray) -> float:
+        """The largest s with s * direction inside the ball a hair short of its boundary (the caller's
+        direction is non-negative); unlimited without a radius or for 0."""
+        size = float(np.linalg.norm(direction))
+        return math.inf if self.radius is None or size == 0 else _INSIDE * self.radius / size
+
+    def largest_scales(self, directions):
+        """largest_scale of each row of a B x d tensor, 1 for a zero row (float64, the rows' device)."""
+        import torch
+
+        reach = _vector_norms(directions)
+        ones = torch.ones(directions.shape[0], dtype=torch.float64, device=directions.device)
+        return torch.where(reach > 0, _INSIDE * self.radius / reach, ones)
+
+    def contains(self, z: np.ndarray, euclidean=np.linalg.norm) -> bool:
+        """Whether every z_j >= 0 (NaN fails) and, with a radius, ||z|| <= r."""
+        z = np.asarray(z)
+        return bool(np.all(z >= 0)) and (self.radius is None or float(euclidean(z)) <= self.radius)
+
+    def contains_rows(self, z, euclidean=_vector_norms):
+        """Membership of each row of a B x d tensor (a bool tensor)."""
+        inside = (z >= 0).all(dim=1)
+        if self.radius is not None:
+            inside = inside & (euclidean(z) <= self.radius)
+        return inside
+
+    def scaled(self, exponent: int) -> NonNeg:
+        """The domain after scaling every point by 2^exponent (exact)."""
+        return self if self.radius is None else NonNeg(math.ldexp(self.radius, exponent))
+
+    def support_bound(self, offset: np.ndarray, error: float, length: float) -> float:
+        """A bound on s_D(x) = r ||x_+|| for every x with ||x - offset|| <= error and ||x_+|| <= ``length``:
+        r * length (the caller bounds the positive part's norm, without underflow, the error included)."""
+        return self.radius * length
+
+    def support_exactly_at_most(self, x: list, bound) -> bool:
+        """Whether r ||x_+|| <= bound in rational arithmetic: bound >= 0 and r^2 ||x_+||^2 <= bound^2."""
+        from fractions import Fraction
+
+        r = Fraction(float(self.radius))
+        return bound >= 0 and r * r * sum(v * v for v in x if v > 0) <= bound * bound
+
+    def project_rows(self, z):
+        """Each row of a B x d tensor clamped to z >= 0, then (with a radius) scaled a hair inside the ball."""
+        import torch
+
+        z = z.clamp(min=0)
+        if self.radius is None:
+            return z
+        norm = torch.linalg.vector_norm(z, dim=1, keepdim=True)
+        return z * torch.clamp(_INSIDE * self.radius / torch.clamp(norm, min=1e-300), max=1.0)
+
+    def constraints(self, z) -> list:
+        """z in D for a cvxpy variable z."""
+        import cvxpy as cp
+
+        return [z >= 0] + ([] if self.radius is None else [cp.norm(z, 2) <= self.radius])
+
+    def reach(self, d: int) -> float:
+        """The largest Euclidean norm of a point of the domain."""
+        return math.inf if self.radius is None else self.radius
+
+
+Domain = Unbounded | Ball | Box | Norm | NonNeg
 
 
 def _exact(radius: float) -> str:
@@ -259,25 +359,31 @@ def _check_radius(radius: float, kind: str) -> None:
         raise InputError(f"a {kind} domain's radius must lie between 1e-120 and 1e120, got {radius!r}")
 
 
+_KNOWN = "use 'unbounded', 'ball:R', 'box:R', 'norm', 'nonneg' or 'nonneg:R'"
+
+
 def parse_domain(spec: str | Domain) -> Domain:
-    """Turn ``"unbounded"``, ``"ball:R"`` or ``"box:R"`` into a domain object.
+    """Turn ``"unbounded"``, ``"ball:R"``, ``"box:R"``, ``"norm"``, ``"nonneg"`` or ``"nonneg:R"`` into a domain
+    object.
 
     Domain objects pass through unchanged. Raises InputError for anything else.
     """
-    if isinstance(spec, (Unbounded, Ball, Box, Norm)):
+    if isinstance(spec, (Unbounded, Ball, Box, Norm, NonNeg)):
         return spec
     if not isinstance(spec, str):
-        raise InputError(f"unknown domain {spec!r}: use 'unbounded', 'ball:R', 'box:R' or 'norm'")
+        raise InputError(f"unknown domain {spec!r}: {_KNOWN}")
     text = spec.strip().lower()
     if text == "unbounded":
         return Unbounded()
     if text == "norm":
         return Norm()
+    if text == "nonneg":
+        return NonNeg()
     kind, _, radius = text.partition(":")
-    if kind in ("ball", "box") and radius:
+    if kind in ("ball", "box", "nonneg") and radius:
         try:
             value = float(radius)
         except ValueError:
             raise InputError(f"domain {spec!r}: the radius {radius!r} is not a number") from None
-        return Ball(value) if kind == "ball" else Box(value)
-    raise InputError(f"unknown domain {spec!r}: use 'unbounded', 'ball:R', 'box:R' or 'norm'")
+        return {"ball": Ball, "box": Box, "nonneg": NonNeg}[kind](value)
+    raise InputError(f"unknown domain {spec!r}: {_KNOWN}")

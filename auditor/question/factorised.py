@@ -66,10 +66,10 @@ def split_factors(pair, domain) -> tuple[torch.Tensor, Factorisation]:
     if r > d:
         raise InputError(f"V is {r} x {d}: its inner dimension r = {r} exceeds the hidden size d = {d}, so it cannot "
                          "have full row rank; pass the product U @ V itself")
-    if domain.bounded:
+    if domain.bounded or domain.orthant:
         raise InputError(f"a factorised head can be audited as its inner head U only in the unbounded domain, not "
-                         f"{domain} (V maps a bounded domain to another shape: a ball to an ellipsoid); pass the "
-                         "product U @ V itself")
+                         f"{domain} (V maps any other domain to another shape: a ball to an ellipsoid, the orthant "
+                         "to a cone); pass the product U @ V itself")
     v64 = v.detach().to(device="cpu", dtype=torch.float64)
     finite = torch.isfinite(v64).all(dim=1)
     if not bool(finite.all()):

@@ -13,12 +13,14 @@ Nothing here reuses the engine: plain float64 numpy on the caller's weights.
   settle is re-decided on (w_k - w_i).z + (b_k - b_i) with the differences formed first, so that a
   bias or a row offset the two share adds no error, and in rational arithmetic where that cannot tell.
 - Convex weights pass when they are non-negative, avoid k's group, sum to 1,
-  and either (any domain) the residual ||w_k - sum alpha_i w_i|| is at most
+  and either (any domain) the residual ||w_k - sum alpha_i w_i|| (over z >= 0, the nonneg domains: the
+  norm of its positive part, ||(w_k - sum alpha_i w_i)_+||) is at most
   residual_tol * max(||w_k - m||, t) with a bias gap
   b_k - sum alpha_i b_i <= 0 (its sign in rational arithmetic when it is zero up to rounding), or
   (bounded domain) the dual value
   s_D(w_k - sum alpha_i w_i) + b_k - sum alpha_i b_i, which bounds k's lead anywhere in D, is at most
-  residual_tol * max(||w_k - m||, t) times the domain's reach (r for a ball, r sqrt(d) for a box). Each quantity is
+  residual_tol * max(||w_k - m||, t) times the domain's reach (r for a ball, r sqrt(d) for a box, r for
+  nonneg:r, whose s_D(x) is r ||x_+||). Each quantity is
   recomputed with its rounding error added on the unfavourable side. m is the
   coordinate-wise median of the distinct rows and t the 10th percentile of their
   non-zero distances from it: the rows' spread, which no common offset changes.
@@ -43,12 +45,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from auditor.errors import InputError
-from auditor.question.domain import Ball, Unbounded
+from auditor.question.domain import Ball, NonNeg, Unbounded
 from auditor.util.arrays import as_float64
 from auditor.verdicts.certificates import Certificates, parse_certificates
 from auditor.verify.arithmetic import ETA, U, dual_at_most_exactly, exactly, gamma, safe_norm
@@ -171,7 +174,7 @@ def verify(report: AuditReport | Certificates | dict, weight, bias=None, final_n
     with_witness = [t.id for t in tokens if point(t) is not None]
     abs_W = np.abs(W)
     # an unbounded head without a (non-constant) bias quotes its margins on the unit ball
-    unit_ball = str(report.domain) == "unbounded" and not np.any(b != b[0])
+    unit_ball = str(report.domain) in ("unbounded", "nonneg") and not np.any(b != b[0])
     if norm is not None:  # what the rows make of the normalisation's error (numbers.normalise)
         gained = safe_norm(W * norm[1], axis=1) * (1 + gamma(d + 8))  # >= ||g * w_i||
         spans = abs_W.sum(axis=1) * (1 + gamma(d + 2))  # >= ||w_i||_1
@@ -356,7 +359,10 @@ def _convex_failure(domain, W, b, token, group: set, tol: float, spread, exact: 
     slack = 2 * gamma(s + 3) * involved
     if involved > 0:  # products of exact zeros cannot underflow
         slack += 4 * (d + 4) * ETA
-    residual = float(safe_norm(offset)) * (1 + gamma(d + 1)) + slack
+    # over z >= 0 only the coordinates where w_k exceeds the combination can lead: the positive part's
+    # norm, which is 1-Lipschitz, so the combination's rounding adds as it does to the whole residual
+    kept = np.maximum(offset, 0.0) if domain.orthant else offset
+    residual = float(safe_norm(kept)) * (1 + gamma(d + 1)) + slack
     gap = 0.0
     bias_differences = b[k] - b[idx]
     if np.any(bias_differences):  # as the engine: products of zeros cannot underflow
@@ -364,19 +370,22 @@ def _convex_failure(domain, W, b, token, group: set, tol: float, spread, exact: 
         gap = computed + 2 * gamma(s + 3) * float(beta @ np.abs(bias_differences)) + 4 * ETA
         if computed - (gap - computed) <= 0 < gap and s <= 64:  # zero up to rounding: settled exactly
             exact = exactly(alpha, W[k][:0], W[idx][:, :0], b[k], b[idx])[1]
-            gap = -1.0 if exact < 0 else (0.0 if exact == 0 else gap)
+            if exact <= 0:  # the exact gap rounded up: a bound the dual value below may add, not only a sign
+                gap = float(exact)
+                if Fraction(gap) < exact:
+                    gap = float(np.nextafter(gap, np.inf))
     hull = residual <= tol * max(r_k, typical) and gap <= 0
     if hull:
         return None
     unit = max(r_k, typical) or 1.0
     if domain.bounded:
-        if isinstance(domain, Ball):
+        if isinstance(domain, (Ball, NonNeg)):  # r ||x|| or, over z >= 0, r ||x_+||: residual bounds either
             support = domain.radius * residual
         else:
             support = domain.radius * (float(np.abs(offset).sum()) * (1 + gamma(d)) + math.sqrt(d) * slack)
         if support + gap <= tol * max(r_k, typical) * domain.reach(d):  # a lead of at most that, anywhere in D
             return None
-        size = float(safe_norm(offset)) if isinstance(domain, Ball) else float(np.abs(offset).sum())
+        size = float(safe_norm(kept)) if isinstance(domain, (Ball, NonNeg)) else float(np.abs(offset).sum())
         computed = domain.radius * size + float(beta @ bias_differences)
         if exact and s <= 64 and computed <= (support + gap) - computed and dual_at_most_exactly(
                 domain, alpha, W[k], W[idx], b[k], b[idx]):

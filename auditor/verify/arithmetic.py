@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from auditor.question.domain import Ball
+from auditor.question.domain import Ball, NonNeg
 
 U = float(np.finfo(np.float64).eps) / 2  # 2^-53: the unit roundoff of p = 53 significant bits is 2^-p
 ETA = float(np.finfo(np.float64).smallest_subnormal)  # 2^-1074
@@ -35,13 +35,15 @@ def exactly(alpha, w_k, rows, b_k, b):
 def dual_at_most_exactly(domain, alpha, w_k, rows, b_k, b, limit: float = 0.0) -> bool:
     """Whether s_D(w_k - sum beta_i w_i) + sum beta_i (b_k - b_i) <= limit for beta = alpha / sum(alpha), in
     rational arithmetic (the ball: r^2 ||x||^2 <= (limit - gap)^2 with gap <= limit; the box:
-    r ||x||_1 + gap <= limit; unbounded: ||x||^2 <= limit^2, the residual alone)."""
+    r ||x||_1 + gap <= limit; unbounded: ||x||^2 <= limit^2, the residual alone; over z >= 0 x_+ for x)."""
     x, gap = exactly(alpha, w_k, rows, b_k, b)
     room = Fraction(limit)
+    if domain.orthant:  # over z >= 0 only the positive part of x can lead
+        x = [v for v in x if v > 0]
     if not domain.bounded:
         return room >= 0 and sum(v * v for v in x) <= room * room
     # the checker's own formulas, apart from the engine's (domain.py): a shared mistake would pass both
     r = Fraction(float(domain.radius))
-    if isinstance(domain, Ball):
+    if isinstance(domain, (Ball, NonNeg)):
         return gap <= room and r * r * sum(v * v for v in x) <= (room - gap) ** 2
     return r * sum(abs(v) for v in x) + gap <= room

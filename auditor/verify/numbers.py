@@ -15,7 +15,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from auditor.question.domain import Ball, Unbounded
+from auditor.question.domain import Ball, NonNeg
 from auditor.verify.arithmetic import ETA, U, dual_at_most_exactly, exactly, gamma, safe_norm
 
 EXACT_RIVALS = 64  # most rivals per witness whose lead is compared with a stated margin in rational arithmetic
@@ -198,13 +198,15 @@ def convex_claims(domain, W, b, row_error, bias_error, exact: bool, token, scale
     if stated is None or math.isnan(stated):
         return reasons
     claim = stated * scale
-    if isinstance(domain, Unbounded):
-        name, size, error = "residual", float(safe_norm(offset)), slack
+    kept = np.maximum(offset, 0.0) if domain.orthant else offset  # over z >= 0: the positive part (1-Lipschitz)
+    if not domain.bounded:
+        name, size, error = "residual", float(safe_norm(kept)), slack
         lower, upper = size * (1 - gamma(d + 1)) - error, size * (1 + gamma(d + 1)) + error
     else:
         name = "residual (the dual bound)"
-        size = float(safe_norm(offset)) if isinstance(domain, Ball) else float(np.abs(offset).sum())
-        error = slack if isinstance(domain, Ball) else math.sqrt(d) * slack
+        euclidean = isinstance(domain, (Ball, NonNeg))
+        size = float(safe_norm(kept)) if euclidean else float(np.abs(offset).sum())
+        error = slack if euclidean else math.sqrt(d) * slack
         lower = domain.radius * (size * (1 - gamma(d + 1)) - error) + gap - gap_error
         upper = domain.radius * (size * (1 + gamma(d + 1)) + error) + gap + gap_error
     if claim < lower or (undecided(lower, upper, claim) and decidable
@@ -261,7 +263,7 @@ def probability_claims(tokens, domain, W: np.ndarray, b: np.ndarray, norm, chunk
             least = 1 / (1 + np.exp(high)) * (1 - 8 * U)  # and at least this
         for j, token in enumerate(part):
             lower, upper = token.probability_bounds
-            if domain.bounded and not domain.contains(P[j], safe_norm):
+            if not domain.contains(P[j], safe_norm):  # the orthant's too, bounded or not
                 found.append((token.id, f"max_probability.point: outside the {domain} domain"))
             if lower > most[j]:
                 found.append((token.id, f"max_probability.lower: states {lower:.6g}, more than p at its point "

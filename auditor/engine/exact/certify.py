@@ -5,7 +5,8 @@ min_{i != k} (l_k(z) - l_i(z)) stays positive after the worst rounding
 (rounding.py) and z lies in the domain; the margin it reports is the computed one less that
 rounding bound (rounding.proven_lower), a lower bound of the exact margin at z. Convex weights alpha for token k are
 accepted when the residual ``||sum alpha_i w_i - w_k||`` and the bias gap
-``b_k - sum alpha_i b_i`` (unbounded domain), or the dual value
+``b_k - sum alpha_i b_i`` (unbounded domain; over z >= 0 the residual is the positive part's,
+``||(w_k - sum alpha_i w_i)_+||``), or the dual value
 ``s_D(w_k - sum alpha_i w_i) + b_k - sum alpha_i b_i`` (bounded domain), are at
 most the head's tolerance. Both quantities are reported as rigorous upper
 bounds: rounding in forming the combination is added, not hoped away.
@@ -187,6 +188,12 @@ def check_convex(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndar
     total = float(alpha.sum())
     w_k = head.rows64([k])[0]
     offset, error, delta = _residual_bound(head, k, index, alpha, s, total, w_k)
+    if head.domain.orthant:
+        # for z >= 0, (w_k - sum beta_i w_i).z <= ||(w_k - sum beta_i w_i)_+|| ||z||: only the coordinates
+        # where w_k exceeds the combination count, and the positive part is 1-Lipschitz, so the
+        # combination's rounding error adds as it does to the whole residual
+        positive = torch.as_tensor(np.maximum(offset, 0.0))[None, :]
+        delta = float(safe_norm(positive, dim=1)[0]) * (1 + gamma(head.d + 1)) + error
     gap, computed_gap = _bias_gap_bound(head, k, indices, index, alpha, weights, s, total)
     small_residual = math.isfinite(delta) and delta <= head.residual_tolerance(k)
     hull_certificate = small_residual and gap <= 0

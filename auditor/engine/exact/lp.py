@@ -59,7 +59,10 @@ class MarginProgram:
         self.b_k = float(head.biases([k])[0]) if head.bias is not None else 0.0
         self.rivals = np.zeros(0, dtype=np.int64)
         self.homogeneous_bias = head.bias is not None and not head.domain.bounded  # the s column
-        self._highs = self._new_highs() if head.domain.polyhedral else None
+        # Without a bias, z >= 0 with ||z|| <= r wins where the orthant does (the lead scales with z): the
+        # linear program over the box decides, and _witness_from moves its point into the ball.
+        linear = head.domain.polyhedral or (head.domain.orthant and head.bias is None)
+        self._highs = self._new_highs() if linear else None
 
     def _new_highs(self):
         import highspy
@@ -72,7 +75,8 @@ class MarginProgram:
             highs.setOptionValue(option, value)
         d, inf = self.head.d, highspy.kHighsInf
         reach = 1.0 if not self.head.domain.bounded else float(self.head.domain.radius)
-        lower = [-reach] * d + ([0.0] if self.homogeneous_bias else []) + [-inf]
+        floor = 0.0 if self.head.domain.orthant else -reach  # z >= 0: the orthant's part of the box
+        lower = [floor] * d + ([0.0] if self.homogeneous_bias else []) + [-inf]
         upper = [reach] * d + ([1.0] if self.homogeneous_bias else []) + [inf]
         highs.addVars(len(lower), np.array(lower), np.array(upper))
         highs.changeColCost(len(lower) - 1, 1.0)  # t
@@ -197,6 +201,8 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray, f
     """
     keep = weights > weights.max() * 1e-12
     support = indices[keep]
+    if head.domain.orthant:
+        return _polish_orthant(head, k, support, weights[keep])
     best = None
 
     def tried(idx, w):
@@ -257,6 +263,57 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray, f
     return best
 
 
+def _polish_orthant(head: EngineHead, k: int, support: np.ndarray, weights: np.ndarray):
+    """polish over z >= 0, where the certificate is sum alpha_i w_i >= w_k entrywise (not equal): tries the
+    weights as given, then a vertex of {alpha >= 0 : sum alpha_i (w_i - w_k) >= u 1, sum alpha = 1} with the
+    largest sum alpha_i b_i (a bias) or the largest u (none), re-solved exactly on its basis and the
+    coordinates it holds tight, where the combination meets w_k and rounding decides the sign."""
+    best = None
+
+    def tried(idx, w) -> bool:
+        nonlocal best
+        nz = w > 0
+        check = check_convex(head, k, idx[nz], w[nz])
+        if best is None or (not check.accepted, check.residual) < (not best[2].accepted, best[2].residual):
+            best = (idx[nz], w[nz], check)
+        return check.accepted
+
+    if tried(support, weights / weights.sum()):
+        return best
+    Y = (head.rows(support) - head.rows([k])[0]).T  # d x |S|: sum alpha_i (w_i - w_k) >= 0
+    scale = float(np.abs(Y).max()) or 1.0
+    m = support.size
+    if head.bias is not None:  # variables alpha; maximise sum alpha_i b_i
+        cost, rows = -head.biases(support), -Y
+        bounds = [(0, None)] * m
+        equality = np.ones((1, m))
+    else:  # variables (alpha, u); maximise u, at most the rows' scale
+        cost = np.concatenate([np.zeros(m), [-1.0]])
+        rows = np.hstack([-Y, np.ones((Y.shape[0], 1))])
+        bounds = [(0, None)] * m + [(None, scale)]
+        equality = np.concatenate([np.ones(m), [0.0]])[None, :]
+    found = scipy.optimize.linprog(cost, A_ub=rows, b_ub=np.zeros(Y.shape[0]), A_eq=equality, b_eq=[1.0],
+                                   bounds=bounds, method="highs")
+    if found.status == 0:
+        alpha = np.clip(found.x[:m], 0.0, None)
+        if alpha.sum() > 0 and tried(support, alpha / alpha.sum()):
+            return best
+        basis = alpha > alpha.max() * 1e-12
+        tight = Y @ alpha <= 1e-9 * scale  # the coordinates where the combination meets w_k
+        system = np.vstack([Y[np.ix_(tight, basis)], np.full((1, int(basis.sum())), scale)])
+        target = np.concatenate([np.zeros(int(tight.sum())), [scale]])
+        exact = np.linalg.lstsq(system, target, rcond=None)[0]
+        if np.all(exact >= 0) and exact.sum() > 0 and tried(support[basis], exact / exact.sum()):
+            return best
+    if not best[2].accepted and best[1].size <= EXACT_GAP_ROWS:
+        snapped = _snapped(best[1])
+        if snapped is not None:
+            check = check_convex(head, k, best[0], snapped)
+            if check.accepted:
+                return best[0], snapped, check
+    return best
+
+
 _AFFINE_ROWS = 2  # supports up to this many times d + 1 rows get the affine solve
 _LARGE_SUPPORT = 2  # supports beyond this many times d + 2 rows take the first accepted candidate
 
@@ -276,6 +333,8 @@ def _snapped(weights: np.ndarray, denominator: int = 1 << 12) -> np.ndarray | No
 
 def try_witness(head: EngineHead, k: int, z: np.ndarray, outcome: LpOutcome) -> bool:
     """Check z (scaled along itself to its best point in the domain) as a witness; keep the best margin."""
+    if head.domain.orthant:  # the program's z lies in the orthant; a residual's direction: its positive part
+        z = np.maximum(z, 0.0)
     if not np.all(np.isfinite(z)) or (not np.any(z) and head.bias is None):
         return False
     if np.any(z):
