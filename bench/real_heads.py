@@ -1,7 +1,7 @@
 """Low-rank classifier heads, where unargmaxable tokens occur in released models, against the plain LP.
 
     python bench/real_heads.py [--cache DIR] [--heads v3,v4,...] [--sample N] [--skip-ocr] [--skip-synthetic]
-                               [--sizes NxD,...] [--json]
+                               [--sizes NxD,...] [--bias both|without|with] [--skip-qhull] [--json]
 
 Two parts, on the thread count torch is given (the figures in docs/performance.md use
 OMP_NUM_THREADS=2, nothing else running):
@@ -223,16 +223,20 @@ def qhull_family(seeds: int = 3) -> list[dict]:
     return out
 
 
-def synthetic(sample: int, sizes: list[tuple[int, int]]) -> list[dict]:
+def synthetic(sample: int, sizes: list[tuple[int, int]], biases=(False, True), show=None) -> list[dict]:
+    """The log-normal heads against the plain LP; ``show(figures)`` as each one finishes."""
     out = []
     for n, d in sizes:
-        for bias in (False, True):
+        for bias in biases:
             W, b = lognormal_head(n, d, bias, seed=n + d)
             figures, report = audit_figures(W, b, f"log-normal norms {n} x {d}" + (" + bias" if bias else ""))
             comparison = against_plain_lp(report, W.astype(np.float64), None if b is None else b.astype(np.float64),
                                           sample_tokens(report, sample, np.random.default_rng(1)))
             figures.update(comparison)
+            figures["fraction_of_plain_lp"] = round(figures["audit_s"] / comparison["plain_lp_all_tokens_s"], 5)
             out.append(figures)
+            if show is not None:
+                show(figures)
     return out
 
 
@@ -247,6 +251,9 @@ def main() -> None:
     parser.add_argument("--skip-synthetic", action="store_true")
     parser.add_argument("--sizes", default="2000x32,5000x64",
                         help="synthetic heads, NxD comma-separated (default 2000x32,5000x64)")
+    parser.add_argument("--bias", choices=("both", "without", "with"), default="both",
+                        help="synthetic heads without a bias, with one, or both (default)")
+    parser.add_argument("--skip-qhull", action="store_true", help="leave out the small heads against Qhull")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     results = {"threads": torch.get_num_threads()}
@@ -262,10 +269,14 @@ def main() -> None:
             print(json.dumps(figures) if args.json else _lines(figures), flush=True)
     if not args.skip_synthetic:
         sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
-        results["synthetic"] = synthetic(args.sample, sizes)
-        results["qhull"] = qhull_family()
-        for figures in results["synthetic"] + results["qhull"]:
+        biases = {"both": (False, True), "without": (False,), "with": (True,)}[args.bias]
+        def show(figures):
             print(json.dumps(figures) if args.json else _lines(figures), flush=True)
+
+        results["synthetic"] = synthetic(args.sample, sizes, biases, show)
+        results["qhull"] = [] if args.skip_qhull else qhull_family()
+        for figures in results["qhull"]:
+            show(figures)
     print(f"threads {results['threads']}")
 
 
