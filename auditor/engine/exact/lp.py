@@ -250,17 +250,7 @@ def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray, f
         affine = np.linalg.lstsq(system, target, rcond=None)[0]
         if np.all(affine >= 0) and affine.sum() > 0 and tried(support, affine / affine.sum()):
             return best
-    if not best[2].accepted and best[1].size <= EXACT_GAP_ROWS:
-        # A value zero only in exact arithmetic (a row exactly between others, its bias exactly between
-        # theirs) needs the exact weights, which a solve gives only up to rounding: they are usually
-        # fractions with small denominators, which float64 weights represent after normalisation when
-        # the denominators are powers of two or the weights are equal.
-        snapped = _snapped(best[1])
-        if snapped is not None:
-            check = check_convex(head, k, best[0], snapped)
-            if check.accepted:
-                return best[0], snapped, check
-    return best
+    return _snapped_if_better(head, k, best)
 
 
 def _polish_orthant(head: EngineHead, k: int, support: np.ndarray, weights: np.ndarray):
@@ -305,6 +295,20 @@ def _polish_orthant(head: EngineHead, k: int, support: np.ndarray, weights: np.n
         exact = np.linalg.lstsq(system, target, rcond=None)[0]
         if np.all(exact >= 0) and exact.sum() > 0 and tried(support[basis], exact / exact.sum()):
             return best
+    return _snapped_if_better(head, k, best)
+
+
+_AFFINE_ROWS = 2  # supports up to this many times d + 1 rows get the affine solve
+_LARGE_SUPPORT = 2  # supports beyond this many times d + 2 rows take the first accepted candidate
+
+
+def _snapped_if_better(head: EngineHead, k: int, best):
+    """``best`` (indices, weights, check), or its weights snapped to small fractions where only those pass.
+
+    A value zero only in exact arithmetic (a row exactly between others, its bias exactly between
+    theirs) needs the exact weights, which a solve gives only up to rounding: they are usually
+    fractions with small denominators, which float64 weights represent after normalisation when
+    the denominators are powers of two or the weights are equal."""
     if not best[2].accepted and best[1].size <= EXACT_GAP_ROWS:
         snapped = _snapped(best[1])
         if snapped is not None:
@@ -312,10 +316,6 @@ def _polish_orthant(head: EngineHead, k: int, support: np.ndarray, weights: np.n
             if check.accepted:
                 return best[0], snapped, check
     return best
-
-
-_AFFINE_ROWS = 2  # supports up to this many times d + 1 rows get the affine solve
-_LARGE_SUPPORT = 2  # supports beyond this many times d + 2 rows take the first accepted candidate
 
 
 def _snapped(weights: np.ndarray, denominator: int = 1 << 12) -> np.ndarray | None:
