@@ -431,3 +431,60 @@ def test_a_character_list_that_does_not_fit_is_a_note_not_an_error(tmp_path):
                 width=3, metadata={"character": "a\nb\nc\nd\ne"})
     head = load_head(path)
     assert head.tokens is None and any("does not fit" in note for note in head.notes)
+
+
+def _dequantised_model(tmp_path, scale, zero, **attributes):
+    rng = np.random.default_rng(9)
+    quantised = rng.integers(-8, 8, size=(D, N)).astype(np.int8)
+    return save(tmp_path / "model.onnx", [helper.make_node("DequantizeLinear", ["Wq", "s", "z"], ["W"], name="dq",
+                                                           **attributes),
+                                          helper.make_node("MatMul", ["x", "W"], ["logits"]),
+                                          helper.make_node("Softmax", ["logits"], ["probs"])],
+                [("Wq", quantised), ("s", scale), ("z", zero)], opset=21)
+
+
+@pytest.mark.parametrize("axis", [2, -3, 5])
+def test_a_dequantize_axis_outside_what_the_operator_allows_is_refused_naming_the_node(tmp_path, capsys, axis):
+    path = _dequantised_model(tmp_path, np.full(N, 0.05, np.float32), np.zeros(N, np.int8), axis=axis)
+    message = audit_error(capsys, path)
+    assert "'dq'" in message and f"axis {axis}" in message and "model.onnx" in message
+
+
+@pytest.mark.parametrize("scale,zero,words", [
+    (np.full(N + 1, 0.05, np.float32), np.zeros(N + 1, np.int8), "scale of shape [8]"),
+    (np.full(N, 0.05, np.float32), np.zeros(N - 2, np.int8), "zero point's shape [5]"),
+    (np.full((D, 3), 0.05, np.float32), np.zeros((D, 3), np.int8), "blocked scale of shape [4, 3]"),
+])
+def test_dequantize_scales_and_zero_points_of_the_wrong_size_are_refused_naming_the_file_and_node(
+        tmp_path, capsys, scale, zero, words):
+    attributes = {"axis": 1, "block_size": 2} if scale.ndim == 2 else {"axis": 1}
+    path = _dequantised_model(tmp_path, scale, zero, **attributes)
+    message = audit_error(capsys, path)
+    assert "model.onnx" in message and "'dq'" in message and "'Wq'" in message and words in message
+
+
+def test_a_scale_that_overflows_float32_gives_one_line_and_no_numpy_warning(tmp_path):
+    """In a process of its own: pytest would catch numpy's RuntimeWarning before it reached stderr."""
+    import subprocess
+
+    path = _dequantised_model(tmp_path, np.full(N, 3e38, np.float32), np.zeros(N, np.int8), axis=1)
+    script = f"import sys; from auditor.cli.audit import main; sys.exit(main([{str(path)!r}, '--quiet']))"
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("audit: error:") and "model.onnx" in lines[0], run.stderr
+
+
+def test_a_per_tensor_dequantized_bias_of_rank_one_ignores_the_default_axis(tmp_path, head_rows):
+    """DequantizeLinear's axis (default 1) counts only per axis or per block: an int32 bias with a scalar scale,
+    as a QDQ model carries it, is read (its rank, 1, has no axis 1)."""
+    weight, _ = head_rows
+    quantised_bias = np.arange(-3, N - 3, dtype=np.int32)
+    path = save(tmp_path / "model.onnx", [helper.make_node("DequantizeLinear", ["bq", "bs"], ["b"]),
+                                          helper.make_node("MatMul", ["x", "W"], ["mm"]),
+                                          helper.make_node("Add", ["mm", "b"], ["logits"]),
+                                          helper.make_node("Softmax", ["logits"], ["probs"])],
+                [("W", weight.T.copy()), ("bq", quantised_bias), ("bs", np.array(0.5, np.float32))], opset=21)
+    head = load_head(path)
+    np.testing.assert_array_equal(head.bias, quantised_bias.astype(np.float32) * np.float32(0.5))
+    assert_head_computes_the_graphs_logits(path, head)

@@ -301,11 +301,23 @@ def _load_checkpoint(args: argparse.Namespace, path, options: _Options) -> _Chec
 def _audit_and_gate(args: argparse.Namespace, checkpoint: _Checkpoint, options: _Options) -> GateResult:
     """One process's audit of the checkpoint, through the gate."""
     head = checkpoint.head
-    report = audit(head.audited, head.bias, domain=options.domain, device=args.device, tokens=checkpoint.tokens,
-                   progress=options.progress, final_norm=checkpoint.final_norm,
-                   probability_ceiling=args.ceiling is not None, threads=args.threads)
+    try:
+        report = audit(head.audited, head.bias, domain=options.domain, device=args.device, tokens=checkpoint.tokens,
+                       progress=options.progress, final_norm=checkpoint.final_norm,
+                       probability_ceiling=args.ceiling is not None, threads=args.threads)
+    except InputError as error:
+        raise InputError(_named(head, str(error))) from None
     return run_gate(head, report, options.fail_on, options.allow, checkpoint.load_seconds, args.ceiling,
                     options.baseline)
+
+
+def _named(head, message: str) -> str:
+    """An input error about the weight or the bias as read from a file, with the file and the tensor named."""
+    where = f"{head.path}: " if head.path is not None else ""
+    for part, name in (("the weight", head.weight_name), ("the bias", head.bias_name)):
+        if message.startswith(part) and name:
+            return f"{where}{part} {name!r}{message[len(part):]}"
+    return message
 
 
 def run(args: argparse.Namespace) -> int:

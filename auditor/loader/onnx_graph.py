@@ -215,21 +215,33 @@ class OnnxGraph:
         return shape  # Identity, Cast, DequantizeLinear
 
     def _evaluate(self, chain: Chain) -> np.ndarray:
-        """The value of ``chain`` as the graph computes it (DequantizeLinear in float32, like ONNX)."""
+        """The value of ``chain`` as the graph computes it (DequantizeLinear in float32, like ONNX).
+
+        Overflow to infinity is left to the loader's check of non-finite weights (one line naming the
+        tensor), so numpy's warnings are silenced here; a step the numbers do not fit (a permutation or a
+        shape of the wrong size) is refused naming the file, the constant and the node."""
         value = self.get(chain.constant)
         for step in chain.steps:
             op = step.op_type
-            if op == "Transpose":
-                value = np.transpose(value, node_attribute(step, "perm", None))
-            elif op == "Cast":
-                value = value.astype(self._onnx.helper.tensor_dtype_to_np_dtype(node_attribute(step, "to", 1)))
-            elif op == "DequantizeLinear":
-                scale = self._evaluate(self._chain(step.input[1]))
-                zero = self._evaluate(self._chain(step.input[2])) if len(step.input) > 2 and step.input[2] else None
-                value = dequantize(value, scale, zero, node_attribute(step, "axis", 1),
-                                   node_attribute(step, "block_size", 0))
-            elif op in ("Reshape", "Squeeze", "Unsqueeze", "Flatten"):
-                value = value.reshape(self._step_shape(step, value.shape))
+            where = f"{self._path}: {op} {step.name!r} on the constant {chain.constant!r}"
+            try:
+                with np.errstate(all="ignore"):
+                    if op == "Transpose":
+                        value = np.transpose(value, node_attribute(step, "perm", None))
+                    elif op == "Cast":
+                        value = value.astype(self._onnx.helper.tensor_dtype_to_np_dtype(node_attribute(step, "to", 1)))
+                    elif op == "DequantizeLinear":
+                        scale = self._evaluate(self._chain(step.input[1]))
+                        zero = (self._evaluate(self._chain(step.input[2])) if len(step.input) > 2 and step.input[2]
+                                else None)
+                        value = dequantize(value, scale, zero, node_attribute(step, "axis", 1),
+                                           node_attribute(step, "block_size", 0), where)
+                    elif op in ("Reshape", "Squeeze", "Unsqueeze", "Flatten"):
+                        value = value.reshape(self._step_shape(step, value.shape))
+            except InputError:
+                raise  # already names what it refuses (InputError is a ValueError)
+            except (ValueError, TypeError) as error:
+                raise InputError(f"{where}: {_first_line(error)}") from None
         return value
 
 
@@ -245,13 +257,36 @@ def node_attribute(node, name: str, default):
 
 
 def dequantize(value: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, axis: int = 1,
-               block_size: int = 0) -> np.ndarray:
+               block_size: int = 0, where: str = "DequantizeLinear") -> np.ndarray:
     """ONNX's DequantizeLinear: (value - zero) x scale, per tensor (a scalar scale), per axis (a vector along
     ``axis``) or per block along ``axis``; the difference is exact in int32, the product rounds once, in the
-    scale's type (float32 mostly)."""
+    scale's type (float32 mostly). What the operator's specification forbids is refused, ``where`` naming the
+    node: an axis outside [-r, r - 1] (per axis or per block), a negative block size, a scale or zero point of another shape than the
+    quantisation asks for, or a zero point unlike the scale."""
     if value.dtype.kind not in "iu" and value.dtype.name not in ("int4", "uint4"):
-        raise InputError(f"DequantizeLinear of {value.dtype} values is not supported (int8, uint8, int4, ... are)")
-    axis = axis % max(value.ndim, 1)
+        raise InputError(f"{where}: DequantizeLinear of {value.dtype} values is not supported (int8, uint8, int4, "
+                         "... are)")
+    rank = max(value.ndim, 1)
+    if block_size < 0:
+        raise InputError(f"{where}: block_size {block_size} is negative")
+    if zero is not None and zero.shape != scale.shape and not (zero.size == 1 and scale.size == 1):
+        raise InputError(f"{where}: the zero point's shape {list(zero.shape)} is not the scale's {list(scale.shape)}")
+    if scale.size != 1 or scale.ndim > 1:  # per axis or per block: the axis counts (per tensor it is ignored)
+        if not -rank <= axis <= rank - 1:
+            raise InputError(f"{where}: axis {axis} is outside [{-rank}, {rank - 1}], which the operator allows for "
+                             f"a tensor of rank {rank}")
+        if value.ndim == 0:
+            raise InputError(f"{where}: a scale of shape {list(scale.shape)} for a single value")
+        axis = axis % rank
+        if block_size:
+            wanted = list(value.shape)
+            wanted[axis] = -(-value.shape[axis] // block_size)
+            if list(scale.shape) != wanted:
+                raise InputError(f"{where}: a blocked scale of shape {list(scale.shape)}, where blocks of "
+                                 f"{block_size} along axis {axis} of {list(value.shape)} need {wanted}")
+        elif scale.ndim != 1 or scale.size != value.shape[axis]:
+            raise InputError(f"{where}: a scale of shape {list(scale.shape)}, neither one value nor one per entry of "
+                             f"axis {axis} ({value.shape[axis]}) of the {list(value.shape)} values")
 
     def spread(factor: np.ndarray) -> np.ndarray:
         if factor.ndim == 0 or factor.size == 1:

@@ -258,7 +258,8 @@ class OnnxStore(OnnxGraph):
 
     def _dequantised_product(self, found: _Head, matrix: np.ndarray, notes: list[str]) -> np.ndarray:
         """An integer product's weight as float32: (weight - zero point) x scale, per column of X @ W."""
-        scale = self._evaluate(found.scale).astype(np.float32)
+        with np.errstate(all="ignore"):  # a scale beyond float32 becomes infinite: the weights' check names it
+            scale = self._evaluate(found.scale).astype(np.float32)
         zero = self._evaluate(found.zero_point) if found.zero_point is not None else None
         stored = self._stored_dtype(found.weight.constant)
         if scale.size not in (1, found.vocabulary) or (zero is not None and zero.size not in (1, found.vocabulary)):
@@ -268,7 +269,8 @@ class OnnxStore(OnnxGraph):
         per = "per column" if scale.size > 1 else "per tensor"
         notes.append(f"the weight {found.weight.constant} is {stored}, dequantised as {found.node.op_type} and its "
                      f"scale compute it: (weight - zero point) x scale ({per}), float32")
-        return integers.astype(np.float32) * scale.reshape(-1)
+        with np.errstate(all="ignore"):
+            return integers.astype(np.float32) * scale.reshape(-1)
 
     def _bias(self, found: _Head, bias: str | None) -> tuple[np.ndarray | None, str | None]:
         if bias == "none":

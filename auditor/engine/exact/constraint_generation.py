@@ -22,68 +22,25 @@ import numpy as np
 import torch
 
 from auditor.engine.arithmetic.head import EngineHead
+from auditor.engine.exact.face import face_directions
 from auditor.engine.exact.lp import LpOutcome, MarginProgram, polish, try_witness
-
-
-_EXACT_ROWS = 16  # supports up to which the residual is formed exactly
-
-
-_EXACT_ENTRIES = 1 << 12  # and their rows' entries
-
 
 _EXACT_BELOW = 1e-6  # residuals shorter than this fraction of the rows' entries: their direction is uncertain
 
 
-def _residual(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray, w_k: np.ndarray) -> np.ndarray:
-    """The normal of the nearest face found, w_k - sum_i alpha_i w_i, as a direction to try as a witness.
+def _residual_directions(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray,
+                         w_k: np.ndarray) -> list[np.ndarray]:
+    """The normal of the nearest face found, w_k - sum_i alpha_i w_i, as directions to try as witnesses.
 
     At a token that leads by a few times the tolerance this residual is ~1e-10 of the rows, and weights
-    and sums in float64 leave its direction uncertain by ~1e-6: more than the lead. On a small support of
-    affinely independent rows it is w_k minus its projection onto their affine hull, solved in rational
-    arithmetic (from the rows as given when the normal form rounded them: the translation moves no
-    difference of rows), so the one rounding left is the final one."""
+    and sums in float64 leave its direction uncertain by ~1e-6: more than the lead. Then the face on the
+    weights' support is solved to far beyond float64 (face.py), with a bias its point too."""
     rows64 = head.rows(indices)
     approximate = w_k - weights @ rows64
-    support = indices[weights > 0]
     small = float(np.linalg.norm(approximate)) <= _EXACT_BELOW * float(np.abs(rows64).max(initial=np.abs(w_k).max()))
-    if not small or not 0 < support.size <= min(_EXACT_ROWS, head.d) or support.size * head.d > _EXACT_ENTRIES:
-        return approximate  # a residual this long has a direction float64 gets right, or too many rows
-    from fractions import Fraction
-
-    if head.exact_source is not None:
-        rows = head.exact_source[0]
-        picked = rows.index_select(0, torch.as_tensor(np.append(support, k), device=rows.device)).to(torch.float64)
-    else:  # the head's own rows, exact in float64 (the stored rows times their power of two)
-        picked = head.rows64(np.append(support, k))
-    exact = [[Fraction(float(v)) for v in row] for row in picked.cpu().numpy()]
-    target = exact[-1]
-    offsets = [[v - t for v, t in zip(row, target)] for row in exact[:-1]]  # w_i - w_k
-    # the least ||sum beta_i (w_i - w_k)|| with sum beta_i = 1: [G 1; 1^T 0] [beta; mu] = [0; 1]
-    m = len(offsets)
-    system = [[sum(a * b for a, b in zip(offsets[i], offsets[j])) for j in range(m)] + [Fraction(1), Fraction(0)]
-              for i in range(m)]
-    system.append([Fraction(1)] * m + [Fraction(0), Fraction(1)])
-    beta = _solve_exactly(system)
-    if beta is None:  # affinely dependent rows
-        return approximate
-    return np.array([float(-sum(b * row[j] for b, row in zip(beta[:m], offsets))) for j in range(head.d)])
-
-
-def _solve_exactly(augmented: list) -> list | None:
-    """Gauss-Jordan elimination in rational arithmetic on an augmented square system; None when singular."""
-    size = len(augmented)
-    for col in range(size):
-        pivot = next((r for r in range(col, size) if augmented[r][col] != 0), None)
-        if pivot is None:
-            return None
-        augmented[col], augmented[pivot] = augmented[pivot], augmented[col]
-        lead = augmented[col][col]
-        augmented[col] = [v / lead for v in augmented[col]]
-        for r in range(size):
-            if r != col and augmented[r][col] != 0:
-                factor = augmented[r][col]
-                augmented[r] = [a - factor * b for a, b in zip(augmented[r], augmented[col])]
-    return [row[-1] for row in augmented]
+    if not small:
+        return [approximate]  # a residual this long has a direction float64 gets right
+    return face_directions(head, k, indices[weights > 0]) + [approximate]
 
 
 @dataclass
@@ -153,7 +110,7 @@ def run_rounds(head: EngineHead, search: LpSearch, rounds: int) -> int:
                 break
             # The polished weights' residual w_k - sum alpha_i w_i is the normal of the nearest
             # face found so far: an exact direction where the solver's z is only accurate to its tolerance.
-            if try_witness(head, k, _residual(head, k, indices, weights, w_k), outcome):
+            if any(try_witness(head, k, z, outcome) for z in _residual_directions(head, k, indices, weights, w_k)):
                 search.open = False
                 break
         if search.complete:  # the plain LP over all rows has answered: nothing is left to add

@@ -41,6 +41,7 @@ class LpOutcome:
     weights: np.ndarray | None = None
     residual: float = math.inf
     bias_gap: float = math.inf
+    checked: np.ndarray | None = None  # the point try_witness checked last (None: it had no direction to try)
 
 
 class MarginProgram:
@@ -167,7 +168,43 @@ def best_scale(slopes: np.ndarray, intercepts: np.ndarray, largest: float) -> fl
     found = scipy.optimize.minimize_scalar(lambda s: -np.min(s * slopes + intercepts),
                                            bounds=(0.0, upper), method="bounded",
                                            options={"xatol": upper * 1e-12})
-    return float(found.x)
+    return _to_the_kink(slopes, intercepts, float(found.x), largest)
+
+
+def _to_the_kink(slopes: np.ndarray, intercepts: np.ndarray, s: float, largest: float, steps: int = 8) -> float:
+    """Walk from s along the concave f(s) = min_i (s slopes_i + intercepts_i) to its maximum, one crossing of
+    lines at a time. Brent's search stops about sqrt(eps) of s from the kink, where the lead is lost by that
+    much times the slopes: more than a token that leads by a few tolerances has (a face's rows tie exactly at
+    the kink). Each step moves to the nearest crossing of the lowest line with one that rises less (or falls
+    less) and is kept only where f grows."""
+    def f(x: float) -> float:
+        return float(np.min(x * slopes + intercepts))
+
+    best = f(s)
+    for _ in range(steps):
+        i = int(np.argmin(s * slopes + intercepts))
+        if slopes[i] > 0:
+            other = slopes < slopes[i]
+        elif slopes[i] < 0:
+            other = slopes > slopes[i]
+        else:
+            break
+        crossings = (intercepts[other] - intercepts[i]) / (slopes[i] - slopes[other])
+        ahead = crossings[(crossings > s) if slopes[i] > 0 else (crossings < s)]
+        if ahead.size == 0:  # no line ends the lowest one's rise (fall) before the end of the range
+            if slopes[i] < 0:
+                ahead = np.array([0.0])
+            elif math.isfinite(largest):
+                ahead = np.array([largest])
+            else:
+                break
+        step = float(np.min(ahead) if slopes[i] > 0 else np.max(ahead))
+        step = min(max(step, 0.0), largest)
+        value = f(step)
+        if not value > best:
+            break
+        s, best = step, value
+    return s
 
 
 def _witness_from(head: EngineHead, k: int, z: np.ndarray) -> np.ndarray:
@@ -331,15 +368,24 @@ def _snapped(weights: np.ndarray, denominator: int = 1 << 12) -> np.ndarray | No
     return None if np.array_equal(snapped, weights) else snapped
 
 
-def try_witness(head: EngineHead, k: int, z: np.ndarray, outcome: LpOutcome) -> bool:
-    """Check z (scaled along itself to its best point in the domain) as a witness; keep the best margin."""
+def scaled_witness(head: EngineHead, k: int, z: np.ndarray) -> np.ndarray | None:
+    """The point try_witness checks for z: z (its positive part over z >= 0) at unit peak, scaled along itself
+    to its best point in the domain; None when z is no direction to try."""
     if head.domain.orthant:  # the program's z lies in the orthant; a residual's direction: its positive part
         z = np.maximum(z, 0.0)
     if not np.all(np.isfinite(z)) or (not np.any(z) and head.bias is None):
-        return False
+        return None
     if np.any(z):
         z = z / np.abs(z).max()  # a direction of unit peak: tiny directions would underflow in the products
-    witness = _witness_from(head, k, z)
+    return _witness_from(head, k, z)
+
+
+def try_witness(head: EngineHead, k: int, z: np.ndarray, outcome: LpOutcome) -> bool:
+    """Check z (scaled along itself to its best point in the domain) as a witness; keep the best margin."""
+    witness = scaled_witness(head, k, z)
+    outcome.checked = witness
+    if witness is None:
+        return False
     check = check_witnesses(head, np.array([k]), torch.as_tensor(witness[None, :], device=head.device), exact_bound=True)
     margin = float(check.margin[0])  # a lower bound of the exact margin at the witness
     if head.bias is None and not head.domain.bounded:  # per unit of ||z||, rounded down

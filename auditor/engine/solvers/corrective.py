@@ -35,12 +35,16 @@ import scipy.optimize
 import torch
 
 from auditor.engine.arithmetic.head import EngineHead
+from auditor.engine.exact.face import face_directions
 from auditor.engine.exact.lp import LpOutcome, polish, try_witness
 
 WIDTH = 256  # heads of at most this many dimensions get the stage before Frank-Wolfe
 LEFTOVERS = True  # wider heads get it after Newton, for the tokens the iterative stages leave (pipeline.py)
 _ADD = 64  # rows priced into the pool each round
 _SETTLED = 1e-9  # a residual below this fraction of the rows' spread: the weights are worth polishing
+# a residual below this fraction of the rows' spread has a direction float64 leaves uncertain by more than the
+# lead it stands for: its face is solved exactly (face.py) for the witness
+_UNCERTAIN = 1e-6
 
 
 def corrective_certificates(head: EngineHead, ids: np.ndarray, threat: np.ndarray,
@@ -110,6 +114,7 @@ def _decide(problem: _Lifted, k: int, threat: int, rounds: int, add: int):
     if 0 <= threat != k and head.representative[threat] == threat:
         pool = np.union1d(pool, [threat])
     outcome = LpOutcome()
+    faces_tried = set()
     for _ in range(rounds):
         if pool.size == 0:
             break
@@ -122,6 +127,17 @@ def _decide(problem: _Lifted, k: int, threat: int, rounds: int, add: int):
             indices, weights, check = polish(head, k, pool[support], alpha[support], first_accepted=True)
             if check.accepted:
                 return "unargmaxable", (indices, weights, check.residual, check.bias_gap), None
+        rivals = np.zeros(0, dtype=np.int64)  # rows that beat the face's own witness
+        if np.linalg.norm(residual) <= _UNCERTAIN * problem.spread:
+            face = tuple(pool[support].tolist())
+            if face not in faces_tried:
+                faces_tried.add(face)
+                for z in face_directions(head, k, pool[support]):
+                    if try_witness(head, k, z, outcome):
+                        return "argmaxable", outcome, None
+                    # the exact direction prices the rows that float64's could not: a row whose logit at its
+                    # point is above every face row's lies beyond the face, and joins the pool
+                    rivals = np.union1d(rivals, _beyond_face(problem, k, outcome.checked, pool[support], add))
         y = -residual
         gain = problem.gains(y, k)
         gain_k = float(l_k @ y)
@@ -130,13 +146,30 @@ def _decide(problem: _Lifted, k: int, threat: int, rounds: int, add: int):
             # which try_witness finds the best scale
             if try_witness(head, k, y[:d], outcome):
                 return "argmaxable", outcome, None
-            break  # separated only up to rounding: the next stages decide it
+            if not np.setdiff1d(rivals, pool[support]).size:
+                break  # separated only up to rounding: the next stages decide it
         gain[pool] = -np.inf
-        fresh = _top(gain, add, above=gain_k)
+        fresh = np.union1d(_top(gain, add, above=gain_k), np.setdiff1d(rivals, pool[support]))
         if fresh.size == 0:
             break
         pool = np.union1d(pool[support], fresh)
     return None, None, pool
+
+
+def _beyond_face(problem: _Lifted, k: int, point: np.ndarray | None, face: np.ndarray, count: int) -> np.ndarray:
+    """Up to ``count`` rows whose logit at ``point`` is above every face row's (in float64: at an exact face's
+    point the face's rows all trail k by one amount, and a row that comes closer to k, or beats it, is one the
+    nearest point has yet to take in)."""
+    if point is None:
+        return np.zeros(0, dtype=np.int64)
+    head = problem.head
+    logits = head.logits(torch.as_tensor(point, device=head.device)[None, :])[0].cpu().numpy()
+    if problem.has_bias:
+        logits = logits + problem.bias
+    if problem.mask is not None:
+        logits = logits + problem.mask
+    logits[k] = -np.inf
+    return _top(logits, count, above=float(np.max(logits[face])))
 
 
 def _top(gain: np.ndarray, count: int, above: float = -np.inf) -> np.ndarray:
