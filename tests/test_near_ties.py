@@ -137,7 +137,9 @@ def _expected(W, b, a, kind: str, tau: float, n_facet: int, rotation: np.ndarray
             z[-1] = 1.0
         else:
             z[1] = -a  # the facet's rows and k all have logit b_i - a w_i2 here: k leads by its planted bias
-        assert _leads_exactly(W, b, k, rotation @ z, tau)
+        # without a bias (1 - 2^-20) z: inside the unit ball whatever the rotation's rounding, the lead (linear in
+        # z then) cut by as little; with one the point itself (the unbounded domain only)
+        assert _leads_exactly(W, b, k, (rotation @ z) * (1 - 2.0 ** -20 if b is None else 1.0), tau)
         return "argmaxable"
     if kind == "in":  # delta (-e_1) + (1 - delta) sum beta_i f_i
         share = 1 - Fraction(delta)
@@ -154,9 +156,15 @@ CASES = [(kind, bias, degenerate) for kind, bias, degenerate in [
     ("above", True, False), ("below", True, False), ("above", True, True), ("below", True, True)]]
 
 
+# the unit ball too, for the rows without a bias: there the threshold is tau_k times the reach 1, the planted
+# witnesses have norm 1 (taken a hair inside), and convex weights certify in every domain
+DOMAINS = [(case, "unbounded") for case in range(len(CASES))] + [
+    (case, "ball:1") for case, (_, bias, _) in enumerate(CASES) if not bias]
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_rows_planted_a_few_tolerances_from_the_threshold_get_the_exact_verdict(dtype, case):
+@pytest.mark.parametrize("case,domain", DOMAINS)
+def test_rows_planted_a_few_tolerances_from_the_threshold_get_the_exact_verdict(dtype, case, domain):
     kind, bias, degenerate = CASES[case]
     rng = np.random.default_rng(2 * case + (dtype == np.float32))
     d = 6
@@ -179,7 +187,7 @@ def test_rows_planted_a_few_tolerances_from_the_threshold_get_the_exact_verdict(
         tau = _tau(W, W.shape[0] - 1)
         expected = _expected(W, b, a, kind, tau * 1.25 if kind in ("out", "off", "above") else tau / 1.25, n_facet,
                              rotation, beta, delta)
-        report = auditor.audit(W, b, progress=False)
+        report = auditor.audit(W, b, domain=domain, progress=False)
         token = report.tokens[W.shape[0] - 1]
         assert token.verdict == expected, (c, token.verdict, token.bounds)
         assert report.counts["inconclusive"] == 0

@@ -22,6 +22,11 @@ iterations for; in high dimensions a pool that surrounds w_k needs more than d r
 solve costs O(d^3), so the stage serves every token only on heads of at most WIDTH dimensions; wider
 heads give it the few tokens Frank-Wolfe and Newton leave, which would otherwise take the exact LP.
 
+Near a tie the nearest point is within a millionth of the rows' spread of the origin, and its float64
+direction is uncertain by more than the lead it stands for: its face (the pool's rows of positive weight)
+is then solved beyond float64 (exact/face.py) for directions to try, and the rows those directions show
+beyond the face join the pool, which float64's pricing could not show.
+
 Like every stage it only proposes: weights go through lp.polish and certify.check_convex,
 witnesses through certify.check_witnesses (lp.try_witness). What it leaves undecided (a
 token within rounding of a tie, a pool that stops improving) goes on to the next stages with
