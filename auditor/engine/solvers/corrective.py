@@ -58,20 +58,41 @@ def corrective_certificates(head: EngineHead, ids: np.ndarray, threat: np.ndarra
 
     Returns (certificates, witnesses, pools): k -> (indices, weights, residual, bias_gap) for the
     tokens it proves unargmaxable, k -> LpOutcome for those it proves argmaxable, and k -> the
-    last pool of rows for every token it leaves."""
+    last pool of rows for every token it leaves.
+
+    The tokens go in blocks, in lockstep: each round solves every open token's pool on its own (the
+    non-negative least squares, on the host), then prices all their residuals against the head in one
+    product, where one product with one residual each would be as many passes over the head."""
     problem = _Lifted(head)
     certificates, witnesses, pools = {}, {}, {}
-    for k, t in zip(np.asarray(ids).tolist(), np.asarray(threat).tolist()):
-        verdict, found, pool = _decide(problem, k, t, rounds, add)
-        if verdict == "unargmaxable":
-            certificates[k] = found
-        elif verdict == "argmaxable":
-            witnesses[k] = found
-        else:
-            pools[k] = pool
-        if done is not None:
-            done(k)
+    pairs = list(zip(np.asarray(ids).tolist(), np.asarray(threat).tolist()))
+    block = max(1, min(_BLOCK_TOKENS, _BLOCK_GAINS // max(head.n, 1)))
+    for start in range(0, len(pairs), block):
+        searches = [_Search(problem, k, t, add) for k, t in pairs[start:start + block]]
+        _start(problem, searches)
+        for _ in range(rounds):
+            open_ = [search for search in searches if search.open]
+            if not open_:
+                break
+            priced = [search for search in open_ if search.solve()]
+            if priced:
+                gains = problem.gains_of([search.y for search in priced], [search.k for search in priced])
+                for search, gain in zip(priced, gains):
+                    search.advance(gain)
+        for search in searches:
+            if search.verdict == "unargmaxable":
+                certificates[search.k] = search.found
+            elif search.verdict == "argmaxable":
+                witnesses[search.k] = search.found
+            else:
+                pools[search.k] = search.pool
+            if done is not None:
+                done(search.k)
     return certificates, witnesses, pools
+
+
+_BLOCK_TOKENS = 256  # tokens in lockstep
+_BLOCK_GAINS = 1 << 22  # and their gains (float64) at most this many entries: 32 MiB
 
 
 class _Lifted:
@@ -95,70 +116,109 @@ class _Lifted:
             return rows
         return np.hstack([rows, self.scale * self.bias[ids][:, None]])
 
-    def gains(self, y: np.ndarray, k: int) -> np.ndarray:
-        """l_i . y for every row (k and the rows that are not competitors at -inf): the rows with the
-        largest gain shorten the residual most."""
+    def gains_of(self, ys: list[np.ndarray], ks: list[int]) -> np.ndarray:
+        """l_i . y for every row and each y (one row of gains per y, the token's own and the rows that are not
+        competitors at -inf): the rows with the largest gain shorten that token's residual most. One product
+        with the head for all of them, in the storage's precision (pricing only steers)."""
         head = self.head
         d = head.d
-        gain = head.fast_logits(torch.as_tensor(y[:d], device=head.device)[None, :])[0].cpu().numpy()
+        Y = np.stack(ys)
+        gain = head.fast_logits(torch.as_tensor(Y[:, :d], device=head.device)).cpu().numpy()
         if self.has_bias:
-            gain = gain + (self.scale * y[d]) * self.bias
+            gain += (self.scale * Y[:, d])[:, None] * self.bias[None, :]
         if self.mask is not None:
-            gain = gain + self.mask
-        gain[k] = -np.inf
+            gain += self.mask[None, :]
+        gain[np.arange(len(ks)), ks] = -np.inf
         return gain
 
 
-def _decide(problem: _Lifted, k: int, threat: int, rounds: int, add: int):
+def _start(problem: _Lifted, searches: list) -> None:
+    """Every token's first pool: the rows of the largest gains at k's offset from the centre (the screen's
+    direction), priced in one product, and the screen's strongest rival."""
     head = problem.head
-    d = head.d
-    l_k = problem.points(np.array([k]))[0]
-    start = head.rows([k])[0] - problem.centre  # the screen's direction: k's offset from the centre
-    gain = problem.gains(np.concatenate([start, [0.0]]) if problem.has_bias else start, k)
-    pool = _top(gain, add)
-    if 0 <= threat != k and head.representative[threat] == threat:
-        pool = np.union1d(pool, [threat])
-    outcome = LpOutcome()
-    faces_tried = set()
-    for _ in range(rounds):
-        if pool.size == 0:
-            break
-        Y = (problem.points(pool) - l_k).T  # (d or d + 1) x |pool|
-        alpha, ray, residual = _nearest(Y, problem.has_bias)
+    starts = []
+    for search in searches:
+        start = head.rows([search.k])[0] - problem.centre
+        starts.append(np.concatenate([start, [0.0]]) if problem.has_bias else start)
+    for search, gain in zip(searches, problem.gains_of(starts, [search.k for search in searches])):
+        pool = _top(gain, search.add)
+        if 0 <= search.threat != search.k and head.representative[search.threat] == search.threat:
+            pool = np.union1d(pool, [search.threat])
+        search.pool = pool
+
+
+class _Search:
+    """One token's rounds: its pool, and what it has found. ``solve`` runs the part of a round that is the
+    token's own (the nearest point on its pool, the weights' polish, the exact face); ``advance`` the part
+    after the block's pricing (the separation test, the pool's update)."""
+
+    def __init__(self, problem: _Lifted, k: int, threat: int, add: int):
+        self.problem, self.k, self.threat, self.add = problem, k, threat, add
+        self.l_k = problem.points(np.array([k]))[0]
+        self.pool = np.zeros(0, dtype=np.int64)
+        self.outcome = LpOutcome()
+        self.faces_tried = set()
+        self.open = True
+        self.verdict = None
+        self.found = None
+        self.y = None
+        self.support = None
+        self.rivals = None
+
+    def _finish(self, verdict=None, found=None) -> bool:
+        self.open, self.verdict, self.found = False, verdict, found
+        return False
+
+    def solve(self) -> bool:
+        """The token's part of a round; True when its residual is to be priced (self.y)."""
+        problem, head, k = self.problem, self.problem.head, self.k
+        if self.pool.size == 0:
+            return self._finish()
+        Y = (problem.points(self.pool) - self.l_k).T  # (d or d + 1) x |pool|
+        alpha, _, residual = _nearest(Y, problem.has_bias)
         if alpha is None:
-            break
+            return self._finish()
         support = alpha > 0
+        pool = self.pool
         if np.linalg.norm(residual) <= _SETTLED * problem.spread:
             indices, weights, check = polish(head, k, pool[support], alpha[support], first_accepted=True)
             if check.accepted:
-                return "unargmaxable", (indices, weights, check.residual, check.bias_gap), None
-        rivals = np.zeros(0, dtype=np.int64)  # rows that beat the face's own witness
+                return self._finish("unargmaxable", (indices, weights, check.residual, check.bias_gap))
+        self.rivals = np.zeros(0, dtype=np.int64)  # rows that beat the face's own witness
         if np.linalg.norm(residual) <= _UNCERTAIN * problem.spread:
             face = tuple(pool[support].tolist())
-            if face not in faces_tried:
-                faces_tried.add(face)
+            if face not in self.faces_tried:
+                self.faces_tried.add(face)
                 for z in face_directions(head, k, pool[support]):
-                    if try_witness(head, k, z, outcome):
-                        return "argmaxable", outcome, None
+                    if try_witness(head, k, z, self.outcome):
+                        return self._finish("argmaxable", self.outcome)
                     # the exact direction prices the rows that float64's could not: a row whose logit at its
                     # point is above every face row's lies beyond the face, and joins the pool
-                    rivals = np.union1d(rivals, _beyond_face(problem, k, outcome.checked, pool[support], add))
-        y = -residual
-        gain = problem.gains(y, k)
-        gain_k = float(l_k @ y)
+                    self.rivals = np.union1d(self.rivals, _beyond_face(problem, k, self.outcome.checked,
+                                                                       pool[support], self.add))
+        self.support, self.y = support, -residual
+        return True
+
+    def advance(self, gain: np.ndarray) -> None:
+        """The rest of the round, with the block's gains at y: a witness where y separates, else the pool
+        grown by the rows that most violate the separation (Wolfe's rule)."""
+        head, k, y, pool, support = self.problem.head, self.k, self.y, self.pool, self.support
+        gain_k = float(self.l_k @ y)
         if np.max(gain) < gain_k:  # y separates l_k from every rival: a witness, or a direction to scale along
             # z = y_w / (lambda y_b) when y_b > 0, y_w itself when y_b = 0: either way the direction y_w, along
             # which try_witness finds the best scale
-            if try_witness(head, k, y[:d], outcome):
-                return "argmaxable", outcome, None
-            if not np.setdiff1d(rivals, pool[support]).size:
-                break  # separated only up to rounding: the next stages decide it
+            if try_witness(head, k, y[:head.d], self.outcome):
+                self._finish("argmaxable", self.outcome)
+                return
+            if not np.setdiff1d(self.rivals, pool[support]).size:
+                self._finish()  # separated only up to rounding: the next stages decide it
+                return
         gain[pool] = -np.inf
-        fresh = np.union1d(_top(gain, add, above=gain_k), np.setdiff1d(rivals, pool[support]))
+        fresh = np.union1d(_top(gain, self.add, above=gain_k), np.setdiff1d(self.rivals, pool[support]))
         if fresh.size == 0:
-            break
-        pool = np.union1d(pool[support], fresh)
-    return None, None, pool
+            self._finish()
+            return
+        self.pool = np.union1d(pool[support], fresh)
 
 
 def _beyond_face(problem: _Lifted, k: int, point: np.ndarray | None, face: np.ndarray, count: int) -> np.ndarray:
