@@ -92,7 +92,8 @@ def corrective_certificates(head: EngineHead, ids: np.ndarray, threat: np.ndarra
 
 
 _BLOCK_TOKENS = 256  # tokens in lockstep
-_BLOCK_GAINS = 1 << 22  # and their gains (float64) at most this many entries: 32 MiB
+_BLOCK_GAINS = 1 << 22  # and their gains (float64) at most this many entries: 32 MiB (with a float32 head's
+#                         product before it is widened, 48 MiB at its peak)
 
 
 class _Lifted:
