@@ -61,7 +61,7 @@ class MarginProgram:
         self.rivals = np.zeros(0, dtype=np.int64)
         self.homogeneous_bias = head.bias is not None and not head.domain.bounded  # the s column
         # Without a bias, z >= 0 with ||z|| <= r wins where the orthant does (the lead scales with z): the
-        # linear program over the box decides, and _witness_from moves its point into the ball.
+        # linear program over the box decides, and _witnesses_from moves its point into the ball.
         linear = head.domain.polyhedral or (head.domain.orthant and head.bias is None)
         self._highs = self._new_highs() if linear else None
 
@@ -207,22 +207,26 @@ def _to_the_kink(slopes: np.ndarray, intercepts: np.ndarray, s: float, largest: 
     return s
 
 
-def _witness_from(head: EngineHead, k: int, z: np.ndarray) -> np.ndarray:
-    """Turn the program's (z, s) into a point of the domain with the best scale along z."""
+def _witnesses_from(head: EngineHead, ks: list[int], Z: np.ndarray) -> np.ndarray:
+    """Turn the programs' directions (rows of Z, one per token of ``ks``) into points of the domain, each with
+    the best scale along its direction (with a bias the logits of all of them in one product)."""
     if head.bias is None:
         if head.domain.bounded:
-            return z * head.domain.largest_scale(z)
-        return z
-    zt = torch.as_tensor(z, device=head.device)
-    logits = head.logits(zt[None, :])[0]
+            return Z * np.array([head.domain.largest_scale(z) for z in Z])[:, None]
+        return Z
+    logits = head.logits(torch.as_tensor(Z, device=head.device))
     if head.row_mask is not None:
-        logits = logits + head.row_mask
-    slopes = (logits[k] - logits).cpu().numpy()
-    intercepts = (head.bias[k] - head.bias).cpu().numpy()
-    keep = np.isfinite(slopes)
-    keep[k] = False
-    scale = best_scale(slopes[keep], intercepts[keep], head.domain.largest_scale(z))
-    return z * scale
+        logits = logits + head.row_mask[None, :]
+    logits = logits.cpu().numpy()
+    bias = head.bias.cpu().numpy()
+    points = np.empty_like(Z)
+    for j, (k, z) in enumerate(zip(ks, Z)):
+        slopes = logits[j, k] - logits[j]
+        intercepts = bias[k] - bias
+        keep = np.isfinite(slopes)
+        keep[k] = False
+        points[j] = z * best_scale(slopes[keep], intercepts[keep], head.domain.largest_scale(z))
+    return points
 
 
 def polish(head: EngineHead, k: int, indices: np.ndarray, weights: np.ndarray, first_accepted: bool = False):
@@ -368,33 +372,47 @@ def _snapped(weights: np.ndarray, denominator: int = 1 << 12) -> np.ndarray | No
     return None if np.array_equal(snapped, weights) else snapped
 
 
-def scaled_witness(head: EngineHead, k: int, z: np.ndarray) -> np.ndarray | None:
-    """The point try_witness checks for z: z (its positive part over z >= 0) at unit peak, scaled along itself
-    to its best point in the domain; None when z is no direction to try."""
-    if head.domain.orthant:  # the program's z lies in the orthant; a residual's direction: its positive part
-        z = np.maximum(z, 0.0)
-    if not np.all(np.isfinite(z)) or (not np.any(z) and head.bias is None):
-        return None
-    if np.any(z):
-        z = z / np.abs(z).max()  # a direction of unit peak: tiny directions would underflow in the products
-    return _witness_from(head, k, z)
-
-
 def try_witness(head: EngineHead, k: int, z: np.ndarray, outcome: LpOutcome) -> bool:
     """Check z (scaled along itself to its best point in the domain) as a witness; keep the best margin."""
-    witness = scaled_witness(head, k, z)
-    outcome.checked = witness
-    if witness is None:
-        return False
-    check = check_witnesses(head, np.array([k]), torch.as_tensor(witness[None, :], device=head.device), exact_bound=True)
-    margin = float(check.margin[0])  # a lower bound of the exact margin at the witness
-    if head.bias is None and not head.domain.bounded:  # per unit of ||z||, rounded down
-        norm = float(safe_norm(torch.as_tensor(witness)[None, :], dim=1)[0])
-        margin = per_unit_norm(margin, norm, head.d) if norm > 0 else -math.inf
-    if margin > outcome.margin or check.certified[0]:
-        outcome.margin, outcome.runner_up, outcome.witness = margin, int(check.runner_up[0]), witness
-    if check.certified[0]:
-        outcome.verdict = "argmaxable"
-    return bool(check.certified[0])
+    return try_witnesses(head, [k], [z], [outcome])[0]
+
+
+def try_witnesses(head: EngineHead, ks: list[int], directions: list[np.ndarray], outcomes: list[LpOutcome]
+                  ) -> list[bool]:
+    """try_witness for several tokens at once, each with its own direction and outcome: the directions (their
+    positive parts over z >= 0) at unit peak, scaled along themselves to their best points in the domain, and
+    checked in one product. ``outcomes[j].checked`` is the point checked for token j (None: its direction is
+    none to try)."""
+    prepared = []
+    for z in directions:
+        if head.domain.orthant:  # the program's z lies in the orthant; a residual's direction: its positive part
+            z = np.maximum(z, 0.0)
+        if not np.all(np.isfinite(z)) or (not np.any(z) and head.bias is None):
+            prepared.append(None)
+            continue
+        prepared.append(z / np.abs(z).max() if np.any(z) else z)  # unit peak: tiny ones would underflow
+    proved = [False] * len(ks)
+    for outcome in outcomes:
+        outcome.checked = None
+    live = [j for j, z in enumerate(prepared) if z is not None]
+    if not live:
+        return proved
+    ids = [ks[j] for j in live]
+    witnesses = _witnesses_from(head, ids, np.stack([prepared[j] for j in live]))
+    check = check_witnesses(head, np.array(ids), torch.as_tensor(witnesses, device=head.device), exact_bound=True)
+    norms = safe_norm(torch.as_tensor(witnesses), dim=1).numpy() if head.bias is None else None
+    for i, j in enumerate(live):
+        outcome, witness = outcomes[j], witnesses[i]
+        outcome.checked = witness
+        margin = float(check.margin[i])  # a lower bound of the exact margin at the witness
+        if head.bias is None and not head.domain.bounded:  # per unit of ||z||, rounded down
+            margin = per_unit_norm(margin, float(norms[i]), head.d) if norms[i] > 0 else -math.inf
+        certified = bool(check.certified[i])
+        if margin > outcome.margin or certified:
+            outcome.margin, outcome.runner_up, outcome.witness = margin, int(check.runner_up[i]), witness
+        if certified:
+            outcome.verdict = "argmaxable"
+        proved[j] = certified
+    return proved
 
 

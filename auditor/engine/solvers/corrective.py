@@ -41,7 +41,7 @@ import torch
 
 from auditor.engine.arithmetic.head import EngineHead
 from auditor.engine.exact.face import face_directions
-from auditor.engine.exact.lp import LpOutcome, polish, try_witness
+from auditor.engine.exact.lp import LpOutcome, polish, try_witness, try_witnesses
 
 WIDTH = 256  # heads of at most this many dimensions get the stage before Frank-Wolfe
 LEFTOVERS = True  # wider heads get it after Newton, for the tokens the iterative stages leave (pipeline.py)
@@ -77,8 +77,13 @@ def corrective_certificates(head: EngineHead, ids: np.ndarray, threat: np.ndarra
             priced = [search for search in open_ if search.solve()]
             if priced:
                 gains = problem.gains_of([search.y for search in priced], [search.k for search in priced])
-                for search, gain in zip(priced, gains):
-                    search.advance(gain)
+                separated = [search for search, gain in zip(priced, gains) if search.advance(gain)]
+                if separated:  # the block's separating directions, checked as witnesses in one product
+                    proved = try_witnesses(head, [search.k for search in separated],
+                                           [search.y[:head.d] for search in separated],
+                                           [search.outcome for search in separated])
+                    for search, won in zip(separated, proved):
+                        search.separated(won)
         for search in searches:
             if search.verdict == "unargmaxable":
                 certificates[search.k] = search.found
@@ -200,26 +205,33 @@ class _Search:
         self.support, self.y = support, -residual
         return True
 
-    def advance(self, gain: np.ndarray) -> None:
-        """The rest of the round, with the block's gains at y: a witness where y separates, else the pool
-        grown by the rows that most violate the separation (Wolfe's rule)."""
-        head, k, y, pool, support = self.problem.head, self.k, self.y, self.pool, self.support
-        gain_k = float(self.l_k @ y)
+    def advance(self, gain: np.ndarray) -> bool:
+        """The rest of the round, with the block's gains at y: True where y separates (the block then checks
+        it as a witness and calls ``separated``), else the pool grown by the rows that most violate the
+        separation (Wolfe's rule)."""
+        pool, support = self.pool, self.support
+        gain_k = float(self.l_k @ self.y)
         if np.max(gain) < gain_k:  # y separates l_k from every rival: a witness, or a direction to scale along
             # z = y_w / (lambda y_b) when y_b > 0, y_w itself when y_b = 0: either way the direction y_w, along
             # which try_witness finds the best scale
-            if try_witness(head, k, y[:head.d], self.outcome):
-                self._finish("argmaxable", self.outcome)
-                return
-            if not np.setdiff1d(self.rivals, pool[support]).size:
-                self._finish()  # separated only up to rounding: the next stages decide it
-                return
+            return True
         gain[pool] = -np.inf
-        fresh = np.union1d(_top(gain, self.add, above=gain_k), np.setdiff1d(self.rivals, pool[support]))
-        if fresh.size == 0:
-            self._finish()
+        self._grow(np.union1d(_top(gain, self.add, above=gain_k), np.setdiff1d(self.rivals, pool[support])))
+        return False
+
+    def separated(self, won: bool) -> None:
+        """After the witness check of a separating y: argmaxable, or (separated only up to rounding) the pool
+        grown by the rows an exact face showed beyond it, if any."""
+        if won:
+            self._finish("argmaxable", self.outcome)
             return
-        self.pool = np.union1d(pool[support], fresh)
+        self._grow(np.setdiff1d(self.rivals, self.pool[self.support]))  # nothing priced above y: none from gains
+
+    def _grow(self, fresh: np.ndarray) -> None:
+        if fresh.size == 0:
+            self._finish()  # no row can shorten the residual: the next stages decide it
+            return
+        self.pool = np.union1d(self.pool[self.support], fresh)
 
 
 def _beyond_face(problem: _Lifted, k: int, point: np.ndarray | None, face: np.ndarray, count: int) -> np.ndarray:
