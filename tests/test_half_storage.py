@@ -212,8 +212,14 @@ def test_rows_a_little_off_the_centre_take_the_centre_pool_and_one_elimination(r
         return found
 
     monkeypatch.setattr(settle.CentreRoutes, "pooled", recording)
-    linear, solve = [], settle.linear_weights
-    monkeypatch.setattr(settle, "linear_weights", lambda *a: linear.append(solve(*a)) or linear[-1])
+    linear, solve = [], settle.linear_weights_batch
+
+    def solving(*args):
+        nu, positive = solve(*args)
+        linear.extend(nu[:, j] if bool(positive[j]) else None for j in range(nu.shape[1]))
+        return nu, positive
+
+    monkeypatch.setattr(settle, "linear_weights_batch", solving)
     report = auditor.audit(head, progress=False)
     W64 = head.to(torch.float64).numpy()
     assert sorted(pooled) == list(range(n - 4, n))

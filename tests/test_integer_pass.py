@@ -329,4 +329,8 @@ def test_audits_through_the_symmetric_pass_match_qhull_and_the_plain_pass(monkey
     assert auditor.verify(symmetric, W).ok
     monkeypatch.setattr(integer_pass, "_symmetric", lambda rows, count: False)
     plain = auditor.audit(W, progress=False, **FORCED)
-    assert [(t.verdict, t.margin) for t in symmetric.tokens] == [(t.verdict, t.margin) for t in plain.tokens]
+    assert [(t.verdict, t.stage, t.runner_up) for t in symmetric.tokens] == \
+        [(t.verdict, t.stage, t.runner_up) for t in plain.tokens]
+    # the same witnesses and margins up to the last bits: a product's rounding may depend on the shape of the
+    # block it is formed in (AVX-512 kernels on AMD EPYC), and each margin is its own witness's checked bound
+    assert [t.margin for t in symmetric.tokens] == pytest.approx([t.margin for t in plain.tokens], rel=1e-12)

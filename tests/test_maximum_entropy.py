@@ -149,9 +149,11 @@ def test_the_centre_s_weights_move_to_a_row_near_it_in_one_linear_solve():
     pool = rows[np.sort(rng.choice(len(rows), size=2 * (d + 1), replace=False))]
     lifted = np.hstack([pool, np.ones((len(pool), 1))])
     shared = pool_centre(pool, centre)
-    assert shared is not None and np.all(shared.weights > 0)
-    assert np.abs(shared.weights @ pool - centre).max() <= 1e-12 * np.abs(pool - centre).max()
-    hessian = (pool - centre).T @ ((pool - centre) * shared.weights[:, None])
+    assert shared is not None
+    mu = shared.weights.numpy()  # (a tensor on the pool's device)
+    assert np.all(mu > 0)
+    assert np.abs(mu @ pool - centre).max() <= 1e-12 * np.abs(pool - centre).max()
+    hessian = (pool - centre).T @ ((pool - centre) * mu[:, None])
     for distance in (0.01, 0.05, 0.1):
         u = rng.standard_normal(d)
         target = centre + distance * np.linalg.cholesky(hessian) @ (u / np.linalg.norm(u))  # H-metric distance
@@ -187,7 +189,8 @@ def test_the_centre_s_weights_start_the_solve_for_rows_beyond_their_first_order_
     lifted = np.hstack([pool, np.ones((len(pool), 1))])
     shared = pool_centre(pool, centre)
     assert shared is not None
-    covariance = (pool - centre).T @ ((pool - centre) * shared.weights[:, None])
+    mu = shared.weights.numpy()
+    covariance = (pool - centre).T @ ((pool - centre) * mu[:, None])
     factorise, hessians = torch.linalg.cholesky_ex, []
     monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda *a, **k: hessians.append(1) or factorise(*a, **k))
     for distance in (0.6, 1.0):
@@ -195,7 +198,7 @@ def test_the_centre_s_weights_start_the_solve_for_rows_beyond_their_first_order_
         target = centre + distance * np.linalg.cholesky(covariance) @ (u / np.linalg.norm(u))  # H-metric distance
         assert linear_weights(lifted, shared, target) is None
         hessians.clear()
-        started = maximum_entropy_weights(pool, target, start=shared.factor, prior=np.log(shared.weights), chord=0.7)
+        started = maximum_entropy_weights(pool, target, start=shared.factor, prior=np.log(mu), chord=0.7)
         from_centre = len(hessians)
         hessians.clear()
         fresh = maximum_entropy_weights(pool, target)
@@ -210,7 +213,7 @@ def test_the_centre_s_weights_start_the_solve_for_rows_beyond_their_first_order_
     assert other is not None and np.all(other > 0) and np.abs(other - fresh).max() > 1e-6 * fresh.max()
     assert np.abs(other @ pool - target).max() <= 1e-12 * np.abs(pool - target).max()
     outside = pool.max(axis=0) + 1.0
-    assert maximum_entropy_weights(pool, outside, start=shared.factor, prior=np.log(shared.weights), chord=0.7) is None
+    assert maximum_entropy_weights(pool, outside, start=shared.factor, prior=np.log(mu), chord=0.7) is None
 
 
 def test_a_lone_point_on_a_head_of_few_rows_is_preconditioned_by_the_hessian_itself(rng):

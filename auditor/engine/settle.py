@@ -13,15 +13,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from auditor.engine.arithmetic.budget import batch_count
 from auditor.engine.arithmetic.head import EngineHead
 from auditor.engine.arithmetic.rounding import per_unit_norm, safe_norm
 from auditor.engine.decisions import STAGES, UNDECIDED, Decisions, set_convex, set_witness
-from auditor.engine.exact.caratheodory import Pool, lifted_dimension, lifted_points, reduce_supports
+from auditor.engine.exact.caratheodory import Pool, lifted_dimension, lifted_points, lifted_tensor, reduce_supports
 from auditor.engine.exact.certify import check_convex, check_witnesses, check_witnesses_sharpened
 from auditor.engine.exact.dual_simplex import Basis
-from auditor.engine.exact.elimination import eliminate
 from auditor.engine.exact.lp import polish
-from auditor.engine.exact.pools import (DRAWN_POOL, POOL_HESSIANS, centre_pool, drawn_pools_fit, from_pool, linear_weights, pool_centre,
+from auditor.engine.exact.elimination import eliminate_on_pool
+from auditor.engine.exact.pools import (DRAWN_POOL, POOL_HESSIANS, PoolCentre, centre_pool, drawn_pools_fit,
+                                        from_pool, linear_weights_batch, pool_centre,
                                         pool_certificate, pool_start, shared_null_vectors, spread_pool, weighted_pool)
 from auditor.engine.solvers.tilt import bias_can_lean
 
@@ -166,6 +168,7 @@ def _route_pivots(dim: int) -> int:
     return max(_DIRECT_PIVOTS, dim // 8)
 
 
+_LINEAR_BYTES = 1 << 24  # linear_weights_batch's m x B weights (and its products) at most, on the CPU
 _SPREAD_WEIGHT = 0.1  # a dense certificate whose heaviest weight is at most this has its bulk near the centre
 _DIRECT_PIVOTS = 32  # pivots of the few-token route from the centre's basis (CentreRoutes.direct)
 
@@ -229,31 +232,53 @@ class CentreRoutes:
         if self.centre is None or not ks or self.head.bias is not None:  # (rows without a bias: their point is w_k)
             return found
         pool, _ = self.centre
-        points = pool.lifted(self.head)
+        head = self.head
+        # on the head's device, where the solves and eliminations run (on the CPU the pool's own array)
+        points = (torch.from_numpy(pool.points) if pool.points is not None and head.device.type == "cpu"
+                  else lifted_tensor(head, pool.indices))
         outside = np.isin(ks, pool.indices, invert=True)
-        centre = pool_centre(points[:, :-1], self.head.centre.cpu().numpy()) if outside.any() else None
+        centre = pool_centre(points[:, :-1], head.centre) if outside.any() else None
         null = shared_null_vectors(points) if outside.any() else None
+        linear = self._linear(points, centre, null, [k for k, away in zip(ks, outside.tolist()) if away])
         start: list = []  # the factor of the maximum-entropy route, made at its first token
-        for k, away in zip(ks, outside.tolist()):
-            certificate = None
-            if centre is not None and away:  # the token's own row is not among the pool's: every row serves
-                nu = linear_weights(points, centre, lifted_points(self.head, np.array([k]))[0, :-1])
-                if nu is not None:
-                    alpha = eliminate(points, nu, null)
-                    certificate = pool.indices[alpha > 0], alpha[alpha > 0] / alpha[alpha > 0].sum()
-            check = check_convex(self.head, k, *certificate) if certificate is not None else None
+        for k in ks:
+            certificate = linear.get(k)
+            check = check_convex(head, k, *certificate) if certificate is not None else None
             if (check is None or not check.accepted or certificate[0].size > self.dim) and centre is not None:
                 # from the centre's weights, its factor kept for chord steps (a row of the pool too: without
                 # it the centre's weights are still of the family, and its factor is H less one rank-one term)
-                certificate = pool_certificate(self.head, pool, points, k, null=null, centre=centre)
-                check = check_convex(self.head, k, *certificate) if certificate is not None else None
+                certificate = pool_certificate(head, pool, points, k, null=null, centre=centre)
+                check = check_convex(head, k, *certificate) if certificate is not None else None
             if check is None or not check.accepted or certificate[0].size > self.dim:
                 if not start:  # from uniform weights: where the centre has no weights on the pool, or its route failed
                     start.append(pool_start(points[:, :-1]))
-                certificate = pool_certificate(self.head, pool, points, k, start[0], null)
-                check = check_convex(self.head, k, *certificate) if certificate is not None else None
+                certificate = pool_certificate(head, pool, points, k, start[0], null)
+                check = check_convex(head, k, *certificate) if certificate is not None else None
             if check is not None and check.accepted and certificate[0].size <= self.dim:
                 found[k] = (*certificate, check.residual, check.bias_gap)
+        return found
+
+    def _linear(self, points: torch.Tensor, centre: PoolCentre | None, null: torch.Tensor | None,
+                ks: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """The centre pool's certificates from linear_weights for tokens ``ks`` (rows not in the pool), where
+        every weight is positive: the weights of a block of tokens from one pair of triangular solves, and
+        their eliminations together on the pool's shared null vectors (elimination.eliminate_on_pool), on the pool's
+        device. Each token's certificate is its own alone, whatever the others in its block."""
+        found: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if centre is None or not ks:
+            return found
+        pool, _ = self.centre
+        m = points.shape[0]
+        block = batch_count(points.device, _LINEAR_BYTES, 8 * m, len(ks))
+        for s in range(0, len(ks), block):
+            tokens = ks[s:s + block]
+            targets = torch.as_tensor(lifted_points(self.head, np.array(tokens))[:, :-1], device=points.device)
+            nu, positive = linear_weights_batch(points, centre, targets)
+            reached = np.flatnonzero(positive.cpu().numpy())
+            alphas = eliminate_on_pool(points, nu[:, torch.as_tensor(reached, device=points.device)].T, null)
+            for j, alpha in zip(reached.tolist(), alphas):
+                survive = alpha > 0
+                found[tokens[j]] = pool.indices[survive], alpha[survive] / alpha[survive].sum()
         return found
 
     def let_go(self) -> None:

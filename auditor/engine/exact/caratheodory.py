@@ -33,8 +33,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from auditor.engine.arithmetic.budget import batch_count
 from auditor.engine.arithmetic.head import EngineHead
-from auditor.engine.exact.elimination import eliminate, eliminate_batch
+from auditor.engine.exact.elimination import (
+    eliminate,
+    eliminate_batch,
+    eliminate_on,
+    steps_on_host,
+)
 
 _GATHER_ROWS = 2048  # rows gathered in float64 at a time when forming group means
 
@@ -49,12 +55,12 @@ def reduce_support(head: EngineHead, indices: np.ndarray, weights: np.ndarray
     while indices.size > 2 * dim:
         merge = _Merge(head, indices, alpha)
         means, merge.means = [merge.means], None  # handed over: the elimination spends them
-        indices, alpha = merge.keep(eliminate(means, merge.mass))
+        indices, alpha = merge.keep(eliminate_on(head.device, means, merge.mass))
     if indices.size > dim:
         # the points handed over, column-major, and factored where they lie: the pool gathers them again when a
         # holder needs them (Pool.lifted), so that the elimination's arrays never sit beside a copy of them
         pool = Pool(indices, None)
-        alpha = eliminate([lifted_points(head, indices, column_major=True)], alpha)
+        alpha = eliminate_on(head.device, [lifted_points(head, indices, column_major=True)], alpha)
         survive = alpha > 0
         indices, alpha = indices[survive], alpha[survive]
     else:
@@ -119,6 +125,21 @@ def lifted_points(head: EngineHead, indices: np.ndarray, column_major: bool = Fa
     return points
 
 
+def lifted_tensor(head: EngineHead, indices: np.ndarray) -> torch.Tensor:
+    """lifted_points as a tensor on the head's device, gathered there (on the CPU the same array as
+    lifted_points, shared with numpy): the points a pool's solves and eliminations work on where the head lies."""
+    if head.device.type == "cpu":
+        return torch.from_numpy(lifted_points(head, indices))
+    index = torch.as_tensor(np.asarray(indices, dtype=np.int64).reshape(-1), device=head.device)
+    points = torch.empty(index.numel(), lifted_dimension(head), dtype=torch.float64, device=head.device)
+    for s in range(0, index.numel(), _GATHER_ROWS):
+        points[s:s + _GATHER_ROWS, :head.d] = head.rows64(index[s:s + _GATHER_ROWS])
+    if head.bias is not None:
+        points[:, head.d] = head.bias.index_select(0, index)
+    points[:, -1] = 1.0
+    return points
+
+
 def _group_means(head: EngineHead, indices: np.ndarray, alpha: np.ndarray, label: np.ndarray,
                  groups: int) -> np.ndarray:
     """sum_{i in group g} alpha_i (w_i, b_i, 1) for every group, gathering rows by blocks on the device: one
@@ -141,7 +162,9 @@ def _group_means(head: EngineHead, indices: np.ndarray, alpha: np.ndarray, label
 _BATCH = 8  # certificates whose elimination steps run as one batch of tensor operations, at most
 _BATCH_BYTES = 1 << 27  # and within this memory, one certificate at least: about three float64 2D x D arrays
 #                         a certificate (its points, its null vectors overwritten by their corrections, the
-#                         D x D triangle of those), so that wide heads batch fewer
+#                         D x D triangle of those), so that wide heads batch fewer; on a GPU a quarter of its free
+#                         memory (arithmetic/budget.py)
+_DEVICE_BATCH = 64  # certificates a batch at most on a GPU: each step is the same few kernels for 1 certificate or 64
 
 
 def reduce_supports(head: EngineHead, certificates: list[tuple[np.ndarray, np.ndarray]]
@@ -150,7 +173,8 @@ def reduce_supports(head: EngineHead, certificates: list[tuple[np.ndarray, np.nd
     of them run as one batched elimination (eliminate_batch), each step a few tensor operations on all of
     them together; so does the last elimination, on the at most 2D rows left of each."""
     dim = lifted_dimension(head)
-    batch_size = max(1, min(_BATCH, _BATCH_BYTES // (3 * 8 * 2 * dim * dim)))
+    batch_size = batch_count(head.device, _BATCH_BYTES, 3 * 8 * 2 * dim * dim,
+                             _BATCH if steps_on_host(head.device) else _DEVICE_BATCH)
     states = [_positive(indices, weights) for indices, weights in certificates]
     while True:
         large = [j for j, (indices, _) in enumerate(states) if indices.size > 2 * dim]

@@ -14,29 +14,40 @@ import numpy as np
 import scipy.linalg
 import torch
 
+from auditor.engine.arithmetic.budget import batch_count
+
 
 _PANEL = 64  # null vectors corrected together by one triangular solve and one matrix product
 
 
-def null_vectors(points: np.ndarray | list[np.ndarray]) -> np.ndarray:
-    """(m - D) x m: a basis of the u with u @ points = 0, for m x D points of rank D (see eliminate). The
-    factorisation and the triangular solve run in torch (float64, on the CPU's audit threads). ``points`` handed
-    over in a one-element list (a merge round's group means, column-major) are the call's: it takes them out,
-    scales and factors them where they lie, and lets them go as soon as the factors are spent."""
+def null_vectors(points: np.ndarray | torch.Tensor | list) -> np.ndarray | torch.Tensor:
+    """(m - D) x m: a basis of the u with u @ points = 0, for m x D points of rank D (see eliminate), on the
+    points' own device and of their kind (numpy in, numpy out; a tensor in, a tensor on its device out). The
+    factorisation and the triangular solve run in torch (float64: on the CPU on the audit's threads, on a GPU
+    where the points lie). ``points`` handed over in a one-element list (a merge round's group means,
+    column-major) are the call's: it takes them out, scales and factors them where they lie, and lets them go
+    as soon as the factors are spent."""
     spent = isinstance(points, list)
     if spent:
         points = points.pop()
+    kind = np.ndarray if isinstance(points, np.ndarray) else torch.Tensor
+    if kind is np.ndarray:
+        # m x D arrays are let go as soon as they are spent, and none is made twice: at D = 4097 each is a
+        # tenth of a head. A column-major array handed over is scaled and factored where it lies.
+        reuse = spent and points.flags.f_contiguous
+        points = torch.from_numpy(points)
+    else:
+        reuse = spent and points.stride(0) == 1
     m, dim = points.shape
-    # m x D arrays are let go as soon as they are spent, and none is made twice: at D = 4097 each is a tenth of a
-    # head. The scaled points column-major, factored where they lie.
-    columns = points if spent and points.flags.f_contiguous else np.empty((m, dim), order="F")
-    np.divide(points, np.maximum(np.maximum(points.max(axis=0), -points.min(axis=0)), np.finfo(np.float64).tiny),
-              out=columns)
+    device = points.device
+    columns = points if reuse else torch.empty((dim, m), dtype=torch.float64, device=device).T
+    scale = torch.maximum(points.amax(dim=0), -points.amin(dim=0)).clamp_(min=float(np.finfo(np.float64).tiny))
+    torch.div(points, scale, out=columns)
     del points
-    factors, pivots, _ = lu_in_place(torch.from_numpy(columns))  # columns[permutation] = L U, L = [L1; L2] unit lower
+    factors, pivots, _ = lu_in_place(columns)  # columns[permutation] = L U, L = [L1; L2] unit lower
     del columns
     permutation = np.arange(m)
-    for i, p in enumerate(pivots.numpy() - 1):  # LAPACK's row swaps, in order
+    for i, p in enumerate(pivots.cpu().numpy() - 1):  # LAPACK's row swaps, in order (D integers from the device)
         permutation[i], permutation[p] = permutation[p], permutation[i]
     # L1^T is the strict upper triangle of factors[:dim]^T with a unit diagonal (U fills the rest, unread);
     # L2 = factors[dim:] whole. L1^-T L2^T by blocks, L1^T read where it lies (no D x D copy of it).
@@ -44,10 +55,11 @@ def null_vectors(points: np.ndarray | list[np.ndarray]) -> np.ndarray:
     _solve_by_blocks(factors[:dim].T, top, upper=True, unit=True)
     del factors
     # the null vectors of L^T are the columns of [-L1^-T L2^T; I]; coordinate j of w is that of point permutation[j]
-    null = np.zeros((m - dim, m))
-    null[:, permutation[:dim]] = top.neg_().T.numpy()
-    null[np.arange(m - dim), permutation[dim:]] = 1.0
-    return null
+    order = torch.as_tensor(permutation, device=device)
+    null = torch.zeros((m - dim, m), dtype=torch.float64, device=device)
+    null[:, order[:dim]] = top.neg_().T
+    null[torch.arange(m - dim, device=device), order[dim:]] = 1.0
+    return null.numpy() if kind is np.ndarray else null
 
 
 def cholesky_in_place(matrix: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -56,7 +68,7 @@ def cholesky_in_place(matrix: torch.Tensor) -> tuple[torch.Tensor, int]:
     transpose, the same matrix, where it lies (torch's ``out=`` takes the input itself; a row-major ``out``
     would go through a column-major copy). Where this torch declines the aliasing, a new tensor. Returns
     (factor, info: 0 unless not positive definite)."""
-    info = torch.empty((), dtype=torch.int32)
+    info = torch.empty((), dtype=torch.int32, device=matrix.device)
     columns = matrix.mT
     try:
         factor, info = torch.linalg.cholesky_ex(columns, out=(columns, info))
@@ -69,8 +81,8 @@ def lu_in_place(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """LAPACK's LU factors with partial pivoting of ``matrix`` written over it (a column-major one: no second
     copy; torch's ``out=`` takes the input itself), or, where this torch declines the aliasing, into a new
     tensor. Returns (factors, pivots counted from 1, info)."""
-    pivots = torch.empty(min(matrix.shape), dtype=torch.int32)
-    info = torch.empty((), dtype=torch.int32)
+    pivots = torch.empty(min(matrix.shape), dtype=torch.int32, device=matrix.device)
+    info = torch.empty((), dtype=torch.int32, device=matrix.device)
     try:
         factors, pivots, info = torch.linalg.lu_factor_ex(matrix, out=(matrix, pivots, info))
     except RuntimeError:
@@ -141,6 +153,65 @@ def eliminate(points: np.ndarray | list[np.ndarray], alpha: np.ndarray, null: np
     return alpha
 
 
+def steps_on_host(device: torch.device) -> bool:
+    """Whether eliminations on ``device`` take their steps on the host (``eliminate``: numpy's small operations
+    cost less than torch's on the CPU) rather than as batched tensor operations where the points lie."""
+    return device.type == "cpu"
+
+
+def eliminate_on(device: torch.device, points: np.ndarray | list[np.ndarray], alpha: np.ndarray) -> np.ndarray:
+    """``eliminate`` for one certificate whose points are on the host (``points`` as there, a one-element list
+    for points the call may spend), taken on ``device``: on the CPU ``eliminate`` itself; elsewhere the points go
+    to the device once and ``eliminate_batch`` takes the steps there (the host again where one found no
+    direction)."""
+    if steps_on_host(torch.device(device)):
+        return eliminate(points, alpha)
+    array = points.pop() if isinstance(points, list) else points
+    if array.shape[0] <= array.shape[1]:
+        return eliminate(array, alpha)
+    kept, failed = eliminate_batch(torch.as_tensor(array, device=device)[None],
+                                   torch.as_tensor(alpha, device=device)[None])
+    return eliminate(array, alpha) if failed[0] else kept[0].cpu().numpy()
+
+
+def eliminate_where(points: torch.Tensor, alpha: torch.Tensor, null: torch.Tensor | None = None) -> np.ndarray:
+    """``eliminate`` for one certificate whose points (m x D) and weights are tensors, where they lie: on the
+    CPU ``eliminate`` itself (numpy views of them, no copy), on another device ``eliminate_batch`` (no step
+    waits on the host), and on the host where a step found no direction there. Weights as numpy."""
+    if steps_on_host(points.device) or points.shape[0] <= points.shape[1]:
+        return eliminate(points.cpu().numpy(), alpha.cpu().numpy(), null.cpu().numpy() if null is not None else None)
+    kept, failed = eliminate_batch(points, alpha[None, :], null)
+    if failed[0]:
+        return eliminate(points.cpu().numpy(), alpha.cpu().numpy(), null.cpu().numpy() if null is not None else None)
+    return kept[0].cpu().numpy()
+
+
+def eliminate_on_pool(points: torch.Tensor, alphas: torch.Tensor, null: torch.Tensor | None) -> list[np.ndarray]:
+    """One elimination per row of ``alphas`` (B x m weights on a pool's m lifted points, a tensor on their
+    device), on the pool's shared null vectors ``null`` (shared_null_vectors): weights on at most D of its rows
+    for each, as numpy. On the CPU one ``eliminate`` after another (numpy views, no copy); on another device
+    batches of them at once (eliminate_batch: no step waits on the host), as many as a quarter of its free memory
+    holds, and on the host those where a step found no direction."""
+    if steps_on_host(points.device) or points.shape[0] <= points.shape[1]:
+        return [eliminate_where(points, alpha, null) for alpha in alphas]
+    m, dim = points.shape
+    r = m - dim
+    size = batch_count(points.device, _ELIMINATION_BYTES, 8 * (r * m + r * r + 4 * m), _ELIMINATION_BATCH)
+    kept: list[np.ndarray] = []
+    for s in range(0, alphas.shape[0], size):
+        block = alphas[s:s + size]
+        weights, failed = eliminate_batch(points, block, null)
+        weights = weights.cpu().numpy()
+        for j in range(block.shape[0]):
+            kept.append(eliminate(points.cpu().numpy(), block[j].cpu().numpy(), null.cpu().numpy()
+                                  if null is not None else None) if failed[j] else weights[j])
+    return kept
+
+
+_ELIMINATION_BYTES = 1 << 27  # a batch of eliminations' null vectors and triangles at most, off the CPU's budget
+_ELIMINATION_BATCH = 64  # and at most this many certificates a batch
+
+
 def _lower_solve(triangle: np.ndarray, size: int, rhs: np.ndarray) -> torch.Tensor:
     """T^-1 rhs for the lower triangle T = triangle[:size, :size] (``rhs``: size x k)."""
     x = torch.from_numpy(np.ascontiguousarray(rhs))
@@ -201,20 +272,28 @@ _triangular_solve = scipy.linalg.lapack.dtrtrs  # what solve_triangular calls, w
 _BATCH_PANEL = 64  # the batched steps' panel: each step re-reads its panel's earlier vectors
 
 
-def eliminate_batch(points: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
-    """``eliminate`` for a batch: points B x m x D (m > D), weights B x m >= 0, on the device.
+def eliminate_batch(points: torch.Tensor, alpha: torch.Tensor, null: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, np.ndarray]:
+    """``eliminate`` for a batch, on the points' device: points B x m x D (m > D), or one m x D array that every
+    certificate of the batch shares (a pool's rows: ``null``, their null vectors, may then be given), weights
+    B x m >= 0.
 
     The same steps as ``eliminate``, taken for every certificate of the batch together: null vectors
-    from an LU factorisation of each, then m - D steps, each dropping one row per certificate, with the
-    corrections by earlier panels applied by batched triangular solves and products. Returns the new
-    weights and, per certificate, whether a step found no direction to move in (rounding); those are
-    done again by ``eliminate``.
+    from an LU factorisation of each (or the shared ones), then m - D steps, each dropping one row per
+    certificate, with the corrections by earlier panels applied by batched triangular solves and products.
+    No step waits on the host. Returns the new weights and, per certificate, whether a step found no direction
+    to move in (rounding); those are done again by ``eliminate``.
     """
-    batch, m, dim = points.shape
+    batch, m = alpha.shape
+    dim = points.shape[-1]
     r = m - dim
-    device = points.device
-    # the null vectors one certificate at a time (an LU factorisation each: a fraction of the steps' cost)
-    null = torch.as_tensor(np.stack([null_vectors(p) for p in points.cpu().numpy()]), device=device)
+    device = alpha.device
+    if points.dim() == 2:  # one pool's rows: their null vectors once, a copy per certificate for its corrections
+        shared = null if null is not None else null_vectors(points)
+        null = shared.expand(batch, r, m).clone()
+        del shared
+    else:  # the null vectors one certificate at a time (an LU factorisation each: a fraction of the steps' cost)
+        null = torch.stack([null_vectors(p) for p in points])
     alpha = alpha.clone()
     triangle = torch.zeros(batch, r, r, dtype=points.dtype, device=device)
     dropped = torch.zeros(batch, r, dtype=torch.int64, device=device)

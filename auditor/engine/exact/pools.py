@@ -11,15 +11,25 @@ pools on its own id and row), so a token's certificate never depends on the toke
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from auditor.engine.arithmetic.head import EngineHead
-from auditor.engine.exact.caratheodory import lifted_dimension, lifted_points, Pool, reduce_support
-from auditor.engine.exact.elimination import null_vectors, cholesky_in_place, eliminate
-
+from auditor.engine.exact.caratheodory import (
+    Pool,
+    lifted_dimension,
+    lifted_points,
+    reduce_support,
+)
+from auditor.engine.exact.elimination import (
+    cholesky_in_place,
+    eliminate_on,
+    eliminate_where,
+    null_vectors,
+)
 
 _EPS = float(np.finfo(np.float64).eps)
 
@@ -186,7 +196,7 @@ def from_pool(head: EngineHead, pool: Pool, k: int, indices: np.ndarray, weights
         if narrowed is not None:
             narrowed[:] = [last]  # one pool kept: the newest
         return union, alpha
-    alpha = eliminate(lifted_points(head, union), alpha)
+    alpha = eliminate_on(head.device, lifted_points(head, union), alpha)
     survive = alpha > 0
     return union[survive], alpha[survive] / alpha[survive].sum()
 
@@ -207,9 +217,10 @@ def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: 
     float32 products (half the time), by blocks of rows, for at most _FLOAT32_HESSIANS Hessians; where that does not
     converge, or a step fails, Newton's method starts again from theta = 0 with float64 Hessians (float32
     directions can carry theta where the gradient stalls, on points nearly collinear in some coordinates,
-    and a float32 Hessian of a singular one may be indefinite). The Hessian and
-    its factors are torch's (on the CPU's audit threads: numpy's BLAS runs on one during an audit,
-    auditor/util/threads.py); the O(m D) steps are numpy's, whose small operations cost less than torch's.
+    and a float32 Hessian of a singular one may be indefinite). Every array of
+    the solve is torch's, on the points' device (on the CPU on the audit's threads: numpy's BLAS runs on one
+    during an audit, auditor/util/threads.py); only scalars (a step's gradient size, slope and objective) reach
+    the host. ``points`` and ``target`` may be numpy arrays (the weights then come back as one) or tensors.
 
     ``start``: a Cholesky factor of the Hessian at theta = 0 in the points' own units, shared by the targets
     that use one pool: the covariance of ``points`` under uniform weights (pool_start), or under the
@@ -228,14 +239,21 @@ def maximum_entropy_weights(points: np.ndarray, target: np.ndarray, iterations: 
     (``start``), a target near the centre takes chord steps first. ``chord``: a fresh Hessian is formed
     where a step leaves the gradient above this fraction of the one before (a chord step costs about 1 / D of
     a Hessian, so a start close to the answer's Hessian keeps stepping with it)."""
+    kind = np.ndarray if isinstance(points, np.ndarray) else torch.Tensor
+    points = torch.from_numpy(points) if kind is np.ndarray else points
+    target = torch.as_tensor(target, dtype=torch.float64, device=points.device)
     # one m x D array, scaled in place: fresh arrays cost page faults
-    offsets = np.subtract(points, target, out=points if overwrite else None)
+    offsets = torch.sub(points, target, out=points) if overwrite else points - target
     scale = max(float(offsets.max()), -float(offsets.min())) or 1.0
     offsets /= scale
+    if prior is not None:
+        prior = torch.as_tensor(prior, dtype=torch.float64, device=points.device)
     # start's Hessian over scale^2: its steps are scale^2 times the unscaled factor's (no D x D copy of it)
     first = (start, scale * scale) if start is not None else None
     found = _entropy_newton(offsets, torch.float32, min(iterations, _FLOAT32_HESSIANS), first, prior, chord)
-    return found if found is not None else _entropy_newton(offsets, torch.float64, iterations, first, prior, chord)
+    if found is None:
+        found = _entropy_newton(offsets, torch.float64, iterations, first, prior, chord)
+    return found.cpu().numpy() if kind is np.ndarray and found is not None else found
 
 
 def _with_ridge(matrix: torch.Tensor) -> torch.Tensor:
@@ -255,13 +273,13 @@ _ROUNDING_GRADIENT = 1e-13  # a gradient this small (offsets scaled to at most 1
 _CHORD_STEPS = 150  # the steps a shared start adds (O(m D) each: at D = 4097 all of them cost a tenth of a Hessian)
 
 
-def _hessian(offsets: np.ndarray, pi: np.ndarray, mean: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """sum_i pi_i (x_i - mean)(x_i - mean)^T (float64, D x D) from ``dtype`` products of blocks of _HESSIAN_ROWS
-    offsets: no m x D copy in either precision."""
-    hessian = torch.zeros(offsets.shape[1], offsets.shape[1], dtype=torch.float64)
+def _hessian(offsets: torch.Tensor, pi: torch.Tensor, mean: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_i pi_i (x_i - mean)(x_i - mean)^T (float64, D x D, on the offsets' device) from ``dtype`` products of
+    blocks of _HESSIAN_ROWS offsets: no m x D copy in either precision."""
+    hessian = torch.zeros(offsets.shape[1], offsets.shape[1], dtype=torch.float64, device=offsets.device)
+    root = pi.sqrt()
     for s in range(0, offsets.shape[0], _HESSIAN_ROWS):
-        block = torch.from_numpy(offsets[s:s + _HESSIAN_ROWS]) - torch.from_numpy(mean)
-        block = block.mul_(torch.from_numpy(np.sqrt(pi[s:s + _HESSIAN_ROWS]))[:, None]).to(dtype)
+        block = (offsets[s:s + _HESSIAN_ROWS] - mean).mul_(root[s:s + _HESSIAN_ROWS, None]).to(dtype)
         hessian.add_(block.T @ block)  # a float32 product widened as it is added
     return hessian
 
@@ -269,34 +287,32 @@ def _hessian(offsets: np.ndarray, pi: np.ndarray, mean: np.ndarray, dtype: torch
 _HESSIAN_ROWS = 2048
 
 
-def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
-                    start: tuple[torch.Tensor, float] | None = None, prior: np.ndarray | None = None,
-                    chord: float = 0.25) -> np.ndarray | None:
+def _entropy_newton(offsets: torch.Tensor, dtype: torch.dtype, iterations: int,
+                    start: tuple[torch.Tensor, float] | None = None, prior: torch.Tensor | None = None,
+                    chord: float = 0.25) -> torch.Tensor | None:
     """maximum_entropy_weights' Newton's method from theta = 0, its Hessians formed in ``dtype`` (float32 or
     float64) products; ``start``, (a Cholesky factor L, s) with L L^T / s the Hessian at theta = 0, for the
-    first (chord) steps; ``prior`` and ``chord`` as there."""
+    first (chord) steps; ``prior`` and ``chord`` as there. The arrays stay on the offsets' device."""
     narrow = dtype == torch.float32
-    theta = np.zeros(offsets.shape[1])
+    theta = offsets.new_zeros(offsets.shape[1])
 
     def weights(t):
-        # a step so long that the logits overflow: F is +inf there, and the line search halves it
-        with np.errstate(over="ignore", invalid="ignore"):
-            logits = offsets @ t
-            if prior is not None:
-                logits += prior
-            top = logits.max()
-            if not np.isfinite(top):
-                return None, np.inf, np.inf
-            pi = np.exp(logits - top)  # (a logit below top by more than float64 holds: weight 0)
-        total = pi.sum()
-        return pi / total, top + np.log(total), abs(float(top))  # F's rounding: about its leading logit's
+        logits = offsets @ t
+        if prior is not None:
+            logits += prior
+        top = float(logits.max())
+        if not math.isfinite(top):  # a step so long that the logits overflow: F is +inf, the line search halves it
+            return None, math.inf, math.inf
+        pi = torch.exp(logits.sub_(top))  # (a logit below top by more than float64 holds: weight 0)
+        total = float(pi.sum())
+        return pi.div_(total), top + math.log(total), abs(top)  # F's rounding: about its leading logit's
 
     pi, current, magnitude = weights(theta)
     factor, step_scale = start if start is not None else (None, 1.0)
-    hessians, previous = 0, np.inf
+    hessians, previous = 0, math.inf
     for _ in range(4 * iterations + (_CHORD_STEPS if start is not None else 0)):
         gradient = pi @ offsets
-        size = float(np.abs(gradient).max())
+        size = float(gradient.abs().max())
         if size <= 1e-15:
             return pi
         if factor is None or size > previous * chord:  # a Newton step: a fresh Hessian
@@ -315,17 +331,18 @@ def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
                     return None
                 factor = None
         previous = size
-        step = (torch.cholesky_solve(torch.from_numpy(gradient)[:, None], factor)[:, 0].numpy() * step_scale
-                if factor is not None else None)
-        if (step is None or not np.all(np.isfinite(step))) and hessians == 0:  # the shared start failed:
-            factor, previous = None, np.inf  # a fresh Hessian next
+        step = torch.cholesky_solve(gradient[:, None], factor)[:, 0] * step_scale if factor is not None else None
+        finite = step is not None and bool(torch.isfinite(step).all())
+        if not finite and hessians == 0:  # the shared start failed: a fresh Hessian next
+            factor, previous = None, math.inf
             continue
-        if step is None or not np.all(np.isfinite(step)):  # singular: not positive definite, or NaN
-            hessian = _with_ridge(_hessian(offsets, pi, gradient, dtype))
-            step = np.linalg.lstsq(hessian.numpy(), gradient, rcond=None)[0]
+        if not finite:  # singular: not positive definite, or NaN. Least squares by an SVD, on the host (rare)
+            hessian = _with_ridge(_hessian(offsets, pi, gradient, dtype)).cpu().numpy()
+            host = np.linalg.lstsq(hessian, gradient.cpu().numpy(), rcond=None)[0]
             hessian = factor = None
-            if not (np.all(np.isfinite(step)) and np.all(np.isfinite(gradient))):
+            if not (np.all(np.isfinite(host)) and bool(torch.isfinite(gradient).all())):
                 return None  # weights that overflowed or a Hessian of NaN: no direction to step in
+            step = torch.as_tensor(host, device=offsets.device)
         slope = float(gradient @ step)
         if not slope > 0:
             return None
@@ -337,7 +354,7 @@ def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
             # near the solution F's decrease falls below its own rounding: there a full step that shrinks
             # the gradient is taken (the gradient is what the weights must bring to 0)
             if (eta == 1.0 and trial <= current + 8 * _EPS * (abs(current) + magnitude)
-                    and np.abs(trial_pi @ offsets).max() < size):
+                    and float((trial_pi @ offsets).abs().max()) < size):
                 break
             eta *= 0.5
         else:
@@ -347,16 +364,22 @@ def _entropy_newton(offsets: np.ndarray, dtype: torch.dtype, iterations: int,
     return _converged(pi, offsets)
 
 
-def shared_null_vectors(points: np.ndarray) -> np.ndarray | None:
+def shared_null_vectors(points: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor | None:
     """null_vectors of a pool's lifted points, for pool_certificate's tokens outside the pool (None for a pool
-    of at most D rows, which needs none)."""
+    of at most D rows, which needs none); of the points' kind, on their device."""
     return null_vectors(points) if points.shape[0] > points.shape[1] else None
 
 
-def pool_start(points: np.ndarray) -> torch.Tensor | None:
+def _tensor(x: np.ndarray | torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+
+
+def pool_start(points: np.ndarray | torch.Tensor) -> torch.Tensor | None:
     """A Cholesky factor of the covariance of ``points`` (m x D, float64; uniform weights, a tiny ridge as the
-    Hessians take): maximum_entropy_weights' ``start`` for the targets of one pool. None where it fails."""
-    uniform = np.full(points.shape[0], 1.0 / points.shape[0])
+    Hessians take), on their device: maximum_entropy_weights' ``start`` for the targets of one pool. None where
+    it fails."""
+    points = _tensor(points)
+    uniform = points.new_full((points.shape[0],), 1.0 / points.shape[0])
     factor, info = cholesky_in_place(_with_ridge(_hessian(points, uniform, uniform @ points, torch.float64)))
     return factor if info == 0 else None
 
@@ -365,26 +388,28 @@ def pool_start(points: np.ndarray) -> torch.Tensor | None:
 class PoolCentre:
     """The centre c of the head as a combination of a pool's rows: its maximum-entropy weights mu on them (all
     positive, sum mu_i x_i = c) and a Cholesky factor of H = sum_i mu_i (x_i - c)(x_i - c)^T, for
-    linear_weights."""
+    linear_weights; tensors on the pool's device."""
 
-    weights: np.ndarray  # m, the pool's rows in order
-    point: np.ndarray  # c
+    weights: torch.Tensor  # m, the pool's rows in order
+    point: torch.Tensor  # c
     factor: torch.Tensor  # lower triangular, D - 1 square (the points without their last coordinate)
 
 
-def pool_centre(points: np.ndarray, centre: np.ndarray) -> PoolCentre | None:
+def pool_centre(points: np.ndarray | torch.Tensor, centre: np.ndarray | torch.Tensor) -> PoolCentre | None:
     """The PoolCentre of ``points`` (m x (D - 1): the pool's lifted points less their last coordinate) for the
     point ``centre``; None when the maximum-entropy solve or the factor fails (the centre is not inside
     the pool's hull). One solve and one m D^2 product for the pool, shared by every token near the centre."""
+    points = _tensor(points)
+    centre = torch.as_tensor(centre, dtype=torch.float64, device=points.device)
     weights = maximum_entropy_weights(points, centre)
-    if weights is None or not np.all(weights > 0):  # (an underflowed weight: linear_weights and the prior need all)
+    if weights is None or not bool((weights > 0).all()):  # (an underflowed weight: linear_weights and the prior need all)
         return None
-    factor, info = cholesky_in_place(_with_ridge(_hessian(points, weights, np.asarray(centre, dtype=np.float64),
-                                                            torch.float64)))
-    return PoolCentre(weights, np.asarray(centre, dtype=np.float64), factor) if info == 0 else None
+    factor, info = cholesky_in_place(_with_ridge(_hessian(points, weights, centre, torch.float64)))
+    return PoolCentre(weights, centre, factor) if info == 0 else None
 
 
-def linear_weights(points: np.ndarray, centre: PoolCentre, target: np.ndarray) -> np.ndarray | None:
+def linear_weights(points: np.ndarray | torch.Tensor, centre: PoolCentre, target: np.ndarray | torch.Tensor
+                   ) -> np.ndarray | torch.Tensor | None:
     """Convex weights on a pool's rows (``points`` their lifted points, m x D) reproducing ``target`` (the
     lifted point less its last coordinate: w_k, and b_k with a bias), from the centre's in one linear solve:
     nu_i = mu_i (1 + theta . (x_i - c)) with H theta = target - c. They sum to 1 (the mu_i (x_i - c) sum to
@@ -393,17 +418,32 @@ def linear_weights(points: np.ndarray, centre: PoolCentre, target: np.ndarray) -
     every 1 + theta . (x_i - c) is positive, as for a point a short way from the centre in the metric of H
     (their mean square over mu is theta . H theta): rows mean-initialised and rounded to bfloat16 leave them
     at 0.35 or more. One refinement against the float64 residual; None where a weight is not positive
-    (maximum_entropy_weights may still reach such a target). O(m D) and two triangular solves a target."""
-    def step(offset: np.ndarray) -> np.ndarray:  # mu_i theta . (x_i - c), H theta = offset
-        theta = torch.cholesky_solve(torch.from_numpy(offset)[:, None], centre.factor)[:, 0].numpy()
-        return centre.weights * (points @ np.append(theta, 0.0) - float(centre.point @ theta))
-
-    nu = centre.weights + step(np.subtract(target, centre.point))
-    if not np.all(nu > 0):
+    (maximum_entropy_weights may still reach such a target). O(m D) and two triangular solves a target;
+    linear_weights_batch takes many targets at once. Of the points' kind."""
+    kind = np.ndarray if isinstance(points, np.ndarray) else torch.Tensor
+    points = _tensor(points)
+    nu, positive = linear_weights_batch(points, centre, torch.as_tensor(target, device=points.device)[None, :])
+    if not bool(positive[0]):
         return None
-    nu /= nu.sum()  # (its drift from 1 is rounding) before the refinement, which keeps the sum
-    nu += step(np.subtract(target, nu @ points[:, :-1]))
-    return nu if np.all(nu > 0) else None
+    return nu[:, 0].cpu().numpy() if kind is np.ndarray else nu[:, 0]
+
+
+def linear_weights_batch(points: torch.Tensor, centre: PoolCentre, targets: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear_weights for B ``targets`` (B x (D - 1)) at once, on the pool's device: (m x B weights, and per
+    target whether every weight is positive: the columns linear_weights would return). Each column is its own
+    target's alone (its own solves and products), whatever the others."""
+    rows = points[:, :-1]
+
+    def step(offsets: torch.Tensor) -> torch.Tensor:  # mu_i theta . (x_i - c), H theta = offset, per column
+        theta = torch.cholesky_solve(offsets.T.contiguous(), centre.factor)  # (D - 1) x B
+        return centre.weights[:, None] * (rows @ theta - centre.point @ theta)
+
+    nu = centre.weights[:, None] + step(targets - centre.point)
+    positive = (nu > 0).all(dim=0)
+    nu = nu / nu.sum(dim=0)  # (its drift from 1 is rounding) before the refinement, which keeps the sum
+    nu = nu + step(targets - nu.T @ rows)
+    return nu, positive & (nu > 0).all(dim=0)
 
 
 def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
@@ -424,14 +464,19 @@ def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
     others = pool.indices != k
     if target is None:
         target = lifted_points(head, np.array([k]))[0, :-1]
+    points = _tensor(points)
+    rows = points[torch.as_tensor(others, device=points.device)]  # a copy, spent by the solve
     if centre is not None:
-        spread = maximum_entropy_weights(points[others, :-1], target, iterations, start=centre.factor, overwrite=True,
-                                         prior=np.log(centre.weights[others]), chord=_CENTRE_CHORD)
+        spread = maximum_entropy_weights(rows[:, :-1], target, iterations, start=centre.factor, overwrite=True,
+                                         prior=centre.weights[torch.as_tensor(others, device=points.device)].log(),
+                                         chord=_CENTRE_CHORD)
     else:
-        spread = maximum_entropy_weights(points[others, :-1], target, iterations, start=start, overwrite=True)  # a copy, spent
+        spread = maximum_entropy_weights(rows[:, :-1], target, iterations, start=start, overwrite=True)
+    del rows  # spent: let go before the elimination's arrays
     if spread is None:
         return None
-    alpha = eliminate(points[others], spread, null if others.all() else None)
+    alpha = eliminate_where(points[torch.as_tensor(others, device=points.device)], spread,
+                            _tensor(null) if null is not None and others.all() else None)
     survive = alpha > 0
     return pool.indices[others][survive], alpha[survive] / alpha[survive].sum()
 
@@ -439,5 +484,5 @@ def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
 _CENTRE_CHORD = 0.7  # pool_certificate from the centre's weights: a fresh Hessian once a chord step cuts the gradient by less than 30 %
 
 
-def _converged(pi: np.ndarray, offsets: np.ndarray) -> np.ndarray | None:
-    return pi if np.abs(pi @ offsets).max() <= 1e-12 else None
+def _converged(pi: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+    return pi if float((pi @ offsets).abs().max()) <= 1e-12 else None

@@ -43,10 +43,10 @@ import torch
 
 from auditor.engine.arithmetic.head import EngineHead
 from auditor.engine.arithmetic.row_statistics import robust_row_norms
-from auditor.engine.exact.caratheodory import lifted_dimension, lifted_points, reduce_support
+from auditor.engine.exact.caratheodory import lifted_dimension, lifted_points, lifted_tensor, reduce_support
 from auditor.engine.exact.certify import check_convex
 from auditor.engine.exact.dual_simplex import Basis
-from auditor.engine.exact.elimination import eliminate
+from auditor.engine.exact.elimination import eliminate_on
 from auditor.engine.exact.pools import POOL_HESSIANS, maximum_entropy_weights, tilted_pools
 from auditor.engine.solvers.tilt import maximum_entropy, ray_rivals
 
@@ -99,11 +99,10 @@ def _pooled(head: EngineHead, point: torch.Tensor, at_point: torch.Tensor | None
     if 2 * beyond < dim or 4 * size > rivals.numel():
         return None
     chosen = np.sort(rivals.cpu().numpy()[np.argsort(-scores, kind="stable")[:size]])
-    points = lifted_points(head, chosen)
+    points = lifted_tensor(head, chosen)  # on the head's device, where the solve runs
     # the lifted points are spent by the solve (reduce_support gathers its own)
-    weights = maximum_entropy_weights(points[:, :-1], point.cpu().numpy(), iterations=POOL_HESSIANS,
-                                      overwrite=True)
-    return (chosen, weights) if weights is not None else None
+    weights = maximum_entropy_weights(points[:, :-1], point, iterations=POOL_HESSIANS, overwrite=True)
+    return (chosen, weights.cpu().numpy()) if weights is not None else None
 
 
 def _tilted(head: EngineHead, point: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
@@ -114,9 +113,9 @@ def _tilted(head: EngineHead, point: torch.Tensor) -> tuple[np.ndarray, np.ndarr
     chosen = tilted_pools(head, np.array([-1]), point[None, :])[0]
     if chosen is None:
         return None
-    weights = maximum_entropy_weights(lifted_points(head, chosen)[:, :-1], point.cpu().numpy(),
-                                      iterations=POOL_HESSIANS, overwrite=True)
-    return (chosen, weights) if weights is not None else None
+    weights = maximum_entropy_weights(lifted_tensor(head, chosen)[:, :-1], point, iterations=POOL_HESSIANS,
+                                      overwrite=True)
+    return (chosen, weights.cpu().numpy()) if weights is not None else None
 
 
 def _whole_head(head: EngineHead, point: torch.Tensor, iterations: int, at_point: torch.Tensor | None = None
@@ -180,7 +179,7 @@ def anchored_certificates(head: EngineHead, ids: np.ndarray, iterations: int = 4
                 continue
             indices, weights = indices[~mine], weights[~mine] / (1.0 - own)
         if indices.size > dim:  # the points handed over, column-major: factored where they lie
-            weights = eliminate([lifted_points(head, indices, column_major=True)], weights)
+            weights = eliminate_on(head.device, [lifted_points(head, indices, column_major=True)], weights)
             indices, weights = indices[weights > 0], weights[weights > 0]
         check = check_convex(head, k, indices, weights)
         if check.accepted:

@@ -50,7 +50,12 @@ import torch
 
 from auditor.engine.arithmetic.head import EngineHead
 from auditor.engine.arithmetic.rounding import per_unit_norm, safe_norm
-from auditor.engine.exact.caratheodory import Pool, lifted_dimension, lifted_points
+from auditor.engine.exact.caratheodory import (
+    Pool,
+    lifted_dimension,
+    lifted_points,
+    lifted_tensor,
+)
 from auditor.engine.exact.certify import check_convex, check_witnesses
 from auditor.engine.exact.pools import POOL_HESSIANS, pool_certificate, tilted_pools
 
@@ -135,8 +140,8 @@ def pooled_certificates(head: EngineHead, ids: np.ndarray) -> dict[int, tuple[np
         for j, (k, chosen) in enumerate(zip(batch.tolist(), tilted_pools(head, batch, lean=lean))):
             if chosen is None:
                 continue
-            points = lifted_points(head, chosen)
-            certificate = pool_certificate(head, Pool(chosen, points), points, k, target=targets[j],
+            points = lifted_tensor(head, chosen)  # on the head's device: the solve and elimination run there
+            certificate = pool_certificate(head, Pool(chosen, None), points, k, target=targets[j],
                                            iterations=POOL_HESSIANS)
             if certificate is None or certificate[0].size > dim:
                 continue
