@@ -37,8 +37,10 @@ def test_eliminations_on_one_shared_pool_take_the_steps_of_the_single_one(rng, m
     alpha = rng.random((6, m)) ** 3
     alpha /= alpha.sum(axis=1, keepdims=True)
     null = elimination.null_vectors(torch.from_numpy(points))
+    given = null.clone()
     batched, failed = elimination.eliminate_batch(torch.from_numpy(points), torch.from_numpy(alpha), null)
     assert not failed.any()
+    assert torch.equal(null, given)  # the shared vectors are read, not corrected in place
     shared = elimination.null_vectors(points)
     for j in range(6):
         single = elimination.eliminate(points, alpha[j], shared)
@@ -87,13 +89,26 @@ def test_linear_weights_of_a_block_are_each_target_s_own(rng):
     distances = np.array([0.0, 0.01, 0.05, 0.1, 0.6, 3.0, 0.02])[:, None]
     targets = centre + distances * directions / np.linalg.norm(directions, axis=1, keepdims=True) * scales
     nu, positive = linear_weights_batch(torch.from_numpy(lifted), shared, torch.from_numpy(targets))
+    # the first-order weights in numpy, from the factor's H = L L^T: mu_i (1 + theta . (x_i - c)), H theta = t - c,
+    # then one refinement against the residual
+    mu, c, L = shared.weights.numpy(), shared.point.numpy(), shared.factor.numpy()
+    H = L @ L.T
+
+    def first_order(target):
+        w = mu * (1 + (pool - c) @ np.linalg.solve(H, target - c))
+        w = w / w.sum()
+        return w + mu * ((pool - c) @ np.linalg.solve(H, target - w @ pool)), w
+
     for j, target in enumerate(targets):
+        refined, unrefined = first_order(target)
+        assert bool(positive[j]) == bool(np.all(unrefined > 0) and np.all(refined > 0))
         alone = linear_weights(lifted, shared, target)
         assert bool(positive[j]) == (alone is not None)
         if alone is None:
             continue
         column = nu[:, j].numpy()
-        assert np.abs(column - alone).max() <= 1e-13 * alone.max()
+        assert np.array_equal(column, alone)  # the same whether solved in a block or alone
+        assert np.abs(column - refined).max() <= 1e-12 * refined.max()
         assert np.all(column > 0) and abs(column.sum() - 1) <= 1e-14
         assert np.abs(column @ pool - target).max() <= 1e-12 * np.abs(pool - target).max()
     assert positive[:4].all() and not positive[5]  # near the centre reached, far outside not
@@ -144,3 +159,51 @@ def test_an_audit_whose_pool_routes_take_the_device_path_matches_the_lp(rng, dty
         assert token.convex_indices.size <= d + 1
     assert on_device.counts["inconclusive"] == 0
     assert auditor.verify(on_device, head).ok
+
+
+def test_a_batched_step_that_finds_no_direction_is_taken_again_on_the_host(rng, monkeypatch):
+    """Where the device's batched steps report a certificate as stuck, eliminate_on_pool and eliminate_on take
+    it again with the host's single elimination: the same weights as the host path gives."""
+    m, D = 120, 31
+    points = np.hstack([rng.standard_normal((m, D - 1)), np.ones((m, 1))])
+    alphas = rng.random((3, m))
+    alphas /= alphas.sum(axis=1, keepdims=True)
+    batch = elimination.eliminate_batch
+
+    def stuck(*args):
+        weights, failed = batch(*args)
+        return weights.fill_(-1.0), np.ones_like(failed)  # every one stuck: its weights must not be used
+
+    monkeypatch.setattr(elimination, "steps_on_host", lambda device: False)
+    monkeypatch.setattr(elimination, "eliminate_batch", stuck)
+    null = elimination.null_vectors(points)
+    pooled = elimination.eliminate_on_pool(torch.from_numpy(points), torch.from_numpy(alphas),
+                                           torch.from_numpy(null))
+    for alpha, found in zip(alphas, pooled):
+        assert np.array_equal(found, elimination.eliminate(points, alpha, null))
+    single = elimination.eliminate_on(torch.device("cpu"), [points.copy(order="F")], alphas[0])
+    assert np.array_equal(single, elimination.eliminate(points, alphas[0]))
+
+
+def test_a_token_s_centre_pool_certificate_does_not_depend_on_the_tokens_beside_it(rng):
+    """CentreRoutes.pooled for rows a little off the centre, all together and each alone: the same rows and the
+    same weights, bit for bit (ranks and blocks of ids give the certificates of one whole run)."""
+    from conftest import engine_head
+
+    from auditor.engine.settle import CentreRoutes
+
+    n, d = 1200, 48
+    W = (rng.standard_normal((n, d)) * np.linspace(0.3, 1.5, d)).astype(np.float32)
+    mean = W[:n - 8].astype(np.float64).mean(axis=0)
+    factor = np.linalg.cholesky(np.cov(W[:n - 8].T.astype(np.float64), bias=True))
+    for j, k in enumerate(range(n - 8, n)):
+        u = rng.standard_normal(d)
+        W[k] = (mean + (0.02 + 0.01 * j) * factor @ (u / np.linalg.norm(u))).astype(np.float32)
+    head = engine_head(torch.from_numpy(W))
+    planted = list(range(n - 8, n))
+    routes = CentreRoutes(head)
+    together = routes.pooled(planted)
+    assert len(together) >= 6
+    for k, (indices, weights, _, _) in together.items():
+        alone = CentreRoutes(head).pooled([k])[k]
+        assert np.array_equal(alone[0], indices) and np.array_equal(alone[1], weights)

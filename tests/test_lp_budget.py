@@ -86,3 +86,78 @@ def test_a_biased_float32_head_of_3000_rows_leaves_nothing_inconclusive():
         assert abs(margin) > 1e-6  # the oracle is decided on these tokens
         assert report.tokens[k].verdict == ("argmaxable" if margin > 0 else "unargmaxable"), (k, margin)
     assert auditor.verify(report, W, b).ok
+
+
+def test_tokens_on_several_threads_get_the_outcomes_they_get_one_after_another(monkeypatch):
+    """The exact stage's tokens on two threads (HiGHS solving side by side) against the same tokens one after
+    another: every verdict, margin, witness and certificate the same, each token reported done once on the
+    calling thread, the plain LP agreeing; the report's stream untouched by the solvers' banners, whose
+    redirections of descriptor 1 take turns."""
+    import threading
+
+    from auditor.engine.exact import constraint_generation
+
+    rng = np.random.default_rng(7)
+    W = rng.standard_normal((400, 5))
+    b = 0.5 * rng.standard_normal(400)
+    used, decide_all = [], constraint_generation.lp_decide_all
+
+    def recording(workers):
+        def run(head, tokens, seeds, rounds, done=None):
+            callers = []
+            outcomes = decide_all(head, tokens, seeds, rounds, lambda k: callers.append((k, threading.get_ident())),
+                                  workers=workers)
+            used.append((workers, callers))
+            for k in tokens:
+                done(k)
+            return outcomes
+        return run
+
+    reports = []
+    for workers in (1, 2):
+        monkeypatch.setattr(constraint_generation, "lp_decide_all", recording(workers))
+        monkeypatch.setattr("auditor.engine.stages.lp_decide_all", recording(workers))
+        reports.append(auditor.audit(W, b, progress=False, frank_wolfe_iterations=0, newton_iterations=0,
+                                     min_norm_rounds=0, lp_rounds=3))
+    one, two = reports
+    alone = [call for workers, calls in used if workers == 1 for call in calls]
+    shared = [call for workers, calls in used if workers == 2 for call in calls]
+    tokens = [k for k, _ in shared]
+    assert len(tokens) > 50 and sorted(tokens) == sorted(k for k, _ in alone)  # each once
+    assert len(set(tokens)) == len(tokens)
+    assert {ident for _, ident in shared} == {threading.get_ident()}
+    for a, c in zip(one.tokens, two.tokens):
+        assert (a.verdict, a.margin, a.stage) == (c.verdict, c.margin, c.stage)
+        if a.witness is not None:
+            assert np.array_equal(a.witness, c.witness)
+        if a.convex_indices is not None:
+            assert np.array_equal(a.convex_indices, c.convex_indices)
+            assert np.array_equal(a.convex_weights, c.convex_weights)
+    assert two.counts["inconclusive"] == 0
+    for k in tokens[::9]:
+        margin = lp_margin(W, b, k)[0]
+        if abs(margin) > 1e-7:
+            assert two.tokens[k].verdict == ("argmaxable" if margin > 0 else "unargmaxable"), (k, margin)
+    assert auditor.verify(two, W, b).ok
+
+
+def test_the_solvers_banners_never_reach_the_report_s_stream(capfd):
+    """Many HiGHS programs built on two threads at once: each constructor's banner goes to the null device,
+    and descriptor 1 is the report's stream again afterwards (overlapping redirections would have left the
+    null device in its place)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from auditor.util.io import quiet_stdout
+
+    def quietly(j):
+        with quiet_stdout():
+            import os
+            os.write(1, b"banner\n")
+        return j
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        assert sorted(pool.map(quietly, range(200))) == list(range(200))
+    import os
+    os.write(1, b"report\n")
+    out = capfd.readouterr().out
+    assert "banner" not in out and out.endswith("report\n")

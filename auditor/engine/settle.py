@@ -269,7 +269,10 @@ class CentreRoutes:
             return found
         pool, _ = self.centre
         m = points.shape[0]
-        block = batch_count(points.device, _LINEAR_BYTES, 8 * m, len(ks))
+        # each token: its m weights and the solve's temporaries (about four m-vectors) on the device, its
+        # D-vector target on the host
+        block = min(batch_count(points.device, _LINEAR_BYTES, 8 * (5 * m + points.shape[1]), len(ks)),
+                    max(1, _LINEAR_BYTES // (8 * points.shape[1])))
         for s in range(0, len(ks), block):
             tokens = ks[s:s + block]
             targets = torch.as_tensor(lifted_points(self.head, np.array(tokens))[:, :-1], device=points.device)

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from auditor.errors import InputError
@@ -70,32 +71,38 @@ def send_solver_output_to_stderr(enabled: bool = True) -> None:
     _solver_output_to_stderr = enabled
 
 
+_redirecting = threading.RLock()  # descriptor 1 is the process's: one redirection at a time, across threads
+
+
 @contextlib.contextmanager
 def quiet_stdout():
     """Send what native code prints to standard output (a solver's banner) to the null device inside the
     block, or to standard error after ``send_solver_output_to_stderr()`` (``--debug``).
 
     Standard output carries the report (``--format json`` is piped into other tools), so nothing else may reach
-    it; the redirection is of file descriptor 1 itself, which C and C++ libraries write to directly.
+    it; the redirection is of file descriptor 1 itself, which C and C++ libraries write to directly. Blocks on
+    other threads (the exact stage's workers) wait for this one: two redirections that overlapped could put
+    back the null device in place of the report's stream.
     """
-    if sys.stdout is not None:  # None under pythonw and some services
-        sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:  # no descriptor 1 at all: nothing can reach it
-        yield
-        return
-    try:
-        if _solver_output_to_stderr:
-            if sys.stderr is not None:
-                sys.stderr.flush()
-            os.dup2(2, 1)
-        else:
-            with open(os.devnull, "wb") as null:
-                os.dup2(null.fileno(), 1)
-        yield
-    finally:
-        if sys.stdout is not None:
+    with _redirecting:
+        if sys.stdout is not None:  # None under pythonw and some services
             sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+        try:
+            saved = os.dup(1)
+        except OSError:  # no descriptor 1 at all: nothing can reach it
+            yield
+            return
+        try:
+            if _solver_output_to_stderr:
+                if sys.stderr is not None:
+                    sys.stderr.flush()
+                os.dup2(2, 1)
+            else:
+                with open(os.devnull, "wb") as null:
+                    os.dup2(null.fileno(), 1)
+            yield
+        finally:
+            if sys.stdout is not None:
+                sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)

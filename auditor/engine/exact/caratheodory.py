@@ -175,6 +175,7 @@ def reduce_supports(head: EngineHead, certificates: list[tuple[np.ndarray, np.nd
     dim = lifted_dimension(head)
     batch_size = batch_count(head.device, _BATCH_BYTES, 3 * 8 * 2 * dim * dim,
                              _BATCH if steps_on_host(head.device) else _DEVICE_BATCH)
+    host = steps_on_host(head.device)
     states = [_positive(indices, weights) for indices, weights in certificates]
     while True:
         large = [j for j, (indices, _) in enumerate(states) if indices.size > 2 * dim]
@@ -182,12 +183,22 @@ def reduce_supports(head: EngineHead, certificates: list[tuple[np.ndarray, np.nd
             break
         for s in range(0, len(large), batch_size):
             batch = large[s:s + batch_size]
-            merges = [_Merge(head, *states[j]) for j in batch]
-            kept, failed = eliminate_batch(torch.as_tensor(np.stack([m.means for m in merges]), device=head.device),
-                                            torch.as_tensor(np.stack([m.mass for m in merges]), device=head.device))
+            merges, means = [], []
+            for j in batch:  # off the CPU each certificate's means go to the device as they are formed
+                merge = _Merge(head, *states[j])
+                means.append(torch.as_tensor(merge.means, device=head.device))
+                if not host:
+                    merge.means = None
+                merges.append(merge)
+            means = torch.stack(means)
+            kept, failed = eliminate_batch(means, torch.as_tensor(np.stack([m.mass for m in merges]),
+                                                                  device=head.device))
             kept = kept.cpu().numpy()
             for row, (j, merge) in enumerate(zip(batch, merges)):
-                states[j] = merge.keep(eliminate(merge.means, merge.mass) if failed[row] else kept[row])
+                if failed[row]:
+                    kept[row] = eliminate(merge.means if host else means[row].cpu().numpy(), merge.mass)
+                states[j] = merge.keep(kept[row])
+            del means
     # The last elimination, on the rows themselves (at most 2D, a different number per certificate): each
     # certificate is padded to 2D rows with copies of its first row at weight 0 (any weight the steps move
     # onto them is the first row's).
@@ -200,15 +211,15 @@ def reduce_supports(head: EngineHead, certificates: list[tuple[np.ndarray, np.nd
             indices, alpha = states[j]
             lifted = lifted_points(head, indices)
             pad = size - indices.size
-            points.append(np.vstack([lifted, np.repeat(lifted[:1], pad, axis=0)]))
+            points.append(torch.as_tensor(np.vstack([lifted, np.repeat(lifted[:1], pad, axis=0)]), device=head.device))
             weights.append(np.concatenate([alpha, np.zeros(pad)]))
-        kept, failed = eliminate_batch(torch.as_tensor(np.stack(points), device=head.device),
-                                        torch.as_tensor(np.stack(weights), device=head.device))
+        points = torch.stack(points)
+        kept, failed = eliminate_batch(points, torch.as_tensor(np.stack(weights), device=head.device))
         kept = kept.cpu().numpy()
         for row, j in enumerate(batch):
             indices, alpha = states[j]
             if failed[row]:
-                alpha = eliminate(points[row][:indices.size], alpha)
+                alpha = eliminate(points[row, :indices.size].cpu().numpy(), alpha)
             else:  # weight the steps moved onto the copies goes back to the row they copy
                 alpha = kept[row][:indices.size].copy()
                 alpha[0] += kept[row][indices.size:].sum()

@@ -16,6 +16,7 @@ token the plain LP decides, up to the float64 checks that every answer goes thro
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from auditor.engine.arithmetic.head import EngineHead
 from auditor.engine.exact.face import face_directions
 from auditor.engine.exact.lp import LpOutcome, MarginProgram, polish, try_witness
+from auditor.util.threads import torch_threads
 
 _EXACT_BELOW = 1e-6  # residuals shorter than this fraction of the rows' entries: their direction is uncertain
 
@@ -132,43 +134,67 @@ def complete(head: EngineHead, search: LpSearch) -> None:
     search.open = search.outcome.verdict is None
 
 
-def lp_decide(head: EngineHead, k: int, seed_rivals: np.ndarray, max_rounds: int = 30,
-              add_per_round: int | None = None) -> LpOutcome:
-    """Decide token k: at most ``max_rounds`` rounds of constraint generation from ``seed_rivals``, then,
-    when they have not decided it, the program over all rows."""
-    search = start_search(head, k, seed_rivals, add_per_round)
-    run_rounds(head, search, max_rounds)
-    if search.outcome.verdict is None and max_rounds > 0:
-        complete(head, search)
-        run_rounds(head, search, 1)
-    return search.outcome
-
-
 def lp_decide_all(head: EngineHead, tokens: list[int], seeds: dict[int, np.ndarray], rounds: int,
-                  done=None) -> dict[int, LpOutcome]:
-    """Decide ``tokens`` one after another (``lp_decide``); ``done(k)`` is called as each token leaves.
+                  done=None, workers: int | None = None) -> dict[int, LpOutcome]:
+    """Decide ``tokens`` (``lp_decide`` each); ``done(k)`` is called as each token leaves, on the calling thread.
 
     Constraint generation stops after ``rounds`` rounds, or sooner once its rivals are a quarter
     of the head (``_LARGEST_SHARE``: the rounds would then cost more than the plain LP); a token still
     open then gets the program over all rows, started from the basis its rounds reached. So the
     stage decides every token the plain LP decides (up to the float64 checks), at a bounded
-    multiple of its cost. ``rounds`` = 0 skips the stage."""
-    outcomes = {}
-    for k in tokens:
-        if rounds <= 0:
-            outcomes[k] = LpOutcome()
-        else:
-            search = start_search(head, k, seeds[k])
-            while search.open and search.rounds < rounds and search.rivals.size < _LARGEST_SHARE * head.n_competitors:
-                run_rounds(head, search, 1)
-            if search.outcome.verdict is None and not search.complete:  # stalled, stopped or failed
-                complete(head, search)
-                run_rounds(head, search, 1)
-            outcomes[k] = search.outcome
-            search.program = None  # the solver's memory goes with it
-        if done is not None:
-            done(k)
-    return outcomes
+    multiple of its cost. ``rounds`` = 0 skips the stage.
+
+    The tokens run side by side on ``workers`` threads (by default the audit's thread count, lp_workers):
+    HiGHS lets go of the interpreter while it solves, and each token's search is its own (its program, its
+    rivals, its checks against the head, which only reads), so its outcome does not depend on the others or
+    on the order they finish in. Each thread then takes one of the audit's cores: torch's products inside the
+    searches run on one thread each for the stage, and come back to the audit's count after it."""
+    if rounds <= 0:
+        outcomes = {k: LpOutcome() for k in tokens}
+        for k in tokens:
+            if done is not None:
+                done(k)
+        return outcomes
+    workers = lp_workers(head, len(tokens)) if workers is None else max(1, min(workers, len(tokens)))
+    if workers == 1:
+        outcomes = {}
+        for k in tokens:
+            outcomes[k] = lp_decide(head, k, seeds[k], rounds)
+            if done is not None:
+                done(k)
+        return outcomes
+    found: dict[int, LpOutcome] = {}
+    with torch_threads(1), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="auditor-lp") as pool:
+        running = {pool.submit(lp_decide, head, k, seeds[k], rounds): k for k in tokens}
+        for future in as_completed(running):
+            k = running[future]
+            found[k] = future.result()
+            if done is not None:
+                done(k)
+    return {k: found[k] for k in tokens}
+
+
+def lp_decide(head: EngineHead, k: int, seed_rivals: np.ndarray, rounds: int) -> LpOutcome:
+    """One token's exact stage: constraint generation for at most ``rounds`` rounds, then the program over all
+    rows where it is still open (lp_decide_all)."""
+    search = start_search(head, k, seed_rivals)
+    while search.open and search.rounds < rounds and search.rivals.size < _LARGEST_SHARE * head.n_competitors:
+        run_rounds(head, search, 1)
+    if search.outcome.verdict is None and not search.complete:  # stalled, stopped or failed
+        complete(head, search)
+        run_rounds(head, search, 1)
+    search.program = None  # the solver's memory goes with it
+    return search.outcome
+
+
+def lp_workers(head: EngineHead, tokens: int) -> int:
+    """Threads for the exact stage: one a core of the audit (torch's thread count), at most one a token; one
+    where the program is conic (bounded domains other than boxes: cvxpy and Clarabel, whose setup is neither
+    thread-safe nor free of the interpreter) or where there are too few tokens to share."""
+    linear = head.domain.polyhedral or (head.domain.orthant and head.bias is None)
+    if not linear or tokens < 2:
+        return 1
+    return max(1, min(torch.get_num_threads(), tokens))
 
 
 _LARGEST_SHARE = 0.25

@@ -169,9 +169,10 @@ def eliminate_on(device: torch.device, points: np.ndarray | list[np.ndarray], al
     array = points.pop() if isinstance(points, list) else points
     if array.shape[0] <= array.shape[1]:
         return eliminate(array, alpha)
-    kept, failed = eliminate_batch(torch.as_tensor(array, device=device)[None],
-                                   torch.as_tensor(alpha, device=device)[None])
-    return eliminate(array, alpha) if failed[0] else kept[0].cpu().numpy()
+    on_device = torch.as_tensor(array, device=device)[None]
+    del array, points  # (a spent array is let go here, as the host's elimination lets it go once factored)
+    kept, failed = eliminate_batch(on_device, torch.as_tensor(alpha, device=device)[None])
+    return eliminate(on_device[0].cpu().numpy(), alpha) if failed[0] else kept[0].cpu().numpy()
 
 
 def eliminate_where(points: torch.Tensor, alpha: torch.Tensor, null: torch.Tensor | None = None) -> np.ndarray:
@@ -198,13 +199,15 @@ def eliminate_on_pool(points: torch.Tensor, alphas: torch.Tensor, null: torch.Te
     r = m - dim
     size = batch_count(points.device, _ELIMINATION_BYTES, 8 * (r * m + r * r + 4 * m), _ELIMINATION_BATCH)
     kept: list[np.ndarray] = []
+    host: list = []  # the points and null vectors on the host, copied there once if a step fails
     for s in range(0, alphas.shape[0], size):
         block = alphas[s:s + size]
         weights, failed = eliminate_batch(points, block, null)
         weights = weights.cpu().numpy()
         for j in range(block.shape[0]):
-            kept.append(eliminate(points.cpu().numpy(), block[j].cpu().numpy(), null.cpu().numpy()
-                                  if null is not None else None) if failed[j] else weights[j])
+            if failed[j] and not host:
+                host.extend([points.cpu().numpy(), null.cpu().numpy() if null is not None else None])
+            kept.append(eliminate(host[0], block[j].cpu().numpy(), host[1]) if failed[j] else weights[j])
     return kept
 
 
@@ -321,6 +324,10 @@ def eliminate_batch(points: torch.Tensor, alpha: torch.Tensor, null: torch.Tenso
             positive = alive & (u > 0) & ~rounding
             ratios = torch.where(positive, alpha / torch.where(positive, u, torch.ones_like(u)), torch.inf)
             step, out = ratios.min(dim=1)
+            # as in eliminate: among weights already at 0 (steps of 0) the largest entry of u is the pivot,
+            # which the later corrections divide by
+            at_zero = positive & (alpha == 0)
+            out = torch.where(at_zero.any(dim=1), torch.where(at_zero, u, -torch.inf).argmax(dim=1), out)
             stuck = ~torch.isfinite(step)
             failed |= stuck
             step = torch.where(stuck, torch.zeros_like(step), step)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from auditor.engine.arithmetic.head import EngineHead
+from auditor.engine.arithmetic.rounding import ieee_float32_products
 from auditor.engine.exact.caratheodory import (
     Pool,
     lifted_dimension,
@@ -278,9 +279,10 @@ def _hessian(offsets: torch.Tensor, pi: torch.Tensor, mean: torch.Tensor, dtype:
     blocks of _HESSIAN_ROWS offsets: no m x D copy in either precision."""
     hessian = torch.zeros(offsets.shape[1], offsets.shape[1], dtype=torch.float64, device=offsets.device)
     root = pi.sqrt()
-    for s in range(0, offsets.shape[0], _HESSIAN_ROWS):
-        block = (offsets[s:s + _HESSIAN_ROWS] - mean).mul_(root[s:s + _HESSIAN_ROWS, None]).to(dtype)
-        hessian.add_(block.T @ block)  # a float32 product widened as it is added
+    with ieee_float32_products():  # float32's own rounding, not TF32's (a caller's matmul precision)
+        for s in range(0, offsets.shape[0], _HESSIAN_ROWS):
+            block = (offsets[s:s + _HESSIAN_ROWS] - mean).mul_(root[s:s + _HESSIAN_ROWS, None]).to(dtype)
+            hessian.add_(block.T @ block)  # a float32 product widened as it is added
     return hessian
 
 
@@ -430,20 +432,28 @@ def linear_weights(points: np.ndarray | torch.Tensor, centre: PoolCentre, target
 
 def linear_weights_batch(points: torch.Tensor, centre: PoolCentre, targets: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """linear_weights for B ``targets`` (B x (D - 1)) at once, on the pool's device: (m x B weights, and per
-    target whether every weight is positive: the columns linear_weights would return). Each column is its own
-    target's alone (its own solves and products), whatever the others."""
+    """linear_weights for B ``targets`` (B x (D - 1)), on the pool's device: (m x B weights, and per target
+    whether every weight is positive: the columns linear_weights would return). Each column comes from its own
+    target's solves and products, one right-hand side each (a solve or product with several right-hand sides
+    rounds a column differently with different neighbours): a token's weights are the same whatever the block
+    it is solved in."""
     rows = points[:, :-1]
 
-    def step(offsets: torch.Tensor) -> torch.Tensor:  # mu_i theta . (x_i - c), H theta = offset, per column
-        theta = torch.cholesky_solve(offsets.T.contiguous(), centre.factor)  # (D - 1) x B
-        return centre.weights[:, None] * (rows @ theta - centre.point @ theta)
+    def step(offset: torch.Tensor) -> torch.Tensor:  # mu_i theta . (x_i - c), H theta = offset
+        theta = torch.cholesky_solve(offset[:, None], centre.factor)[:, 0]
+        return centre.weights * (rows @ theta - centre.point @ theta)
 
-    nu = centre.weights[:, None] + step(targets - centre.point)
-    positive = (nu > 0).all(dim=0)
-    nu = nu / nu.sum(dim=0)  # (its drift from 1 is rounding) before the refinement, which keeps the sum
-    nu = nu + step(targets - nu.T @ rows)
-    return nu, positive & (nu > 0).all(dim=0)
+    columns, positive = [], []
+    for target in targets:
+        nu = centre.weights + step(target - centre.point)
+        first = (nu > 0).all()
+        nu = nu / nu.sum()  # (its drift from 1 is rounding) before the refinement, which keeps the sum
+        nu = nu + step(target - nu @ rows)
+        columns.append(nu)
+        positive.append(first & (nu > 0).all())
+    if not columns:
+        return points.new_zeros((points.shape[0], 0)), torch.zeros(0, dtype=torch.bool, device=points.device)
+    return torch.stack(columns, dim=1), torch.stack(positive)
 
 
 def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
@@ -476,7 +486,7 @@ def pool_certificate(head: EngineHead, pool: Pool, points: np.ndarray, k: int,
     if spread is None:
         return None
     alpha = eliminate_where(points[torch.as_tensor(others, device=points.device)], spread,
-                            _tensor(null) if null is not None and others.all() else None)
+                            torch.as_tensor(null, device=points.device) if null is not None and others.all() else None)
     survive = alpha > 0
     return pool.indices[others][survive], alpha[survive] / alpha[survive].sum()
 
