@@ -4,13 +4,13 @@
 import numpy as np
 import pytest
 import torch
+from conftest import mean_initialised
+from oracles import qhull_argmaxable, witness_wins
 
 import auditor
 from auditor.engine.arithmetic import head as head_module
-from auditor.engine.screen import low_precision
 from auditor.engine.screen import gram as screen_module
-from conftest import mean_initialised
-from oracles import qhull_argmaxable, witness_wins
+from auditor.engine.screen import low_precision
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -58,3 +58,35 @@ def test_resized_rows_under_a_shifted_layernorm_on_cuda():
     assert report.ids("unargmaxable")[-3:] == [2000, 2001, 2002]
     assert not [t.id for t in report.tokens if t.stage == "lp"]
     assert auditor.verify(report, W, final_norm=norm).ok
+
+
+def test_rows_off_the_centre_take_the_pool_routes_on_the_device(monkeypatch):
+    """Rows a little off the centre, stored in bfloat16 (mean-initialised rows as a bfloat16 checkpoint holds
+    them), take the centre pool's routes: on the GPU their linear weights, maximum-entropy solves and batched
+    eliminations run on CUDA tensors, and the verdicts are the CPU audit's and the plain LP's, every
+    certificate on at most D rows and verified."""
+    from oracles import lp_margin
+
+    from auditor.engine.exact import elimination
+
+    rng = np.random.default_rng(3)
+    n, d = 1200, 64
+    W = (rng.standard_normal((n, d)) * np.linspace(0.3, 1.5, d)).astype(np.float32)
+    mean = W[:n - 6].astype(np.float64).mean(axis=0)
+    factor = np.linalg.cholesky(np.cov(W[:n - 6].T.astype(np.float64), bias=True))
+    for j, k in enumerate(range(n - 6, n)):
+        u = rng.standard_normal(d)
+        W[k] = (mean + (0.03 + 0.02 * j) * factor @ (u / np.linalg.norm(u))).astype(np.float32)
+    head = torch.from_numpy(W).to(torch.bfloat16)
+    devices, batch = [], elimination.eliminate_batch
+    monkeypatch.setattr(elimination, "eliminate_batch", lambda *a: devices.append(a[0].device.type) or batch(*a))
+    on_gpu = auditor.audit(head.cuda(), device="cuda", progress=False)
+    assert "cuda" in devices
+    on_cpu = auditor.audit(head, progress=False)
+    assert [t.verdict for t in on_gpu.tokens] == [t.verdict for t in on_cpu.tokens]
+    W64 = head.to(torch.float64).numpy()
+    for k in range(n - 6, n):
+        assert on_gpu.tokens[k].verdict == "unargmaxable" and lp_margin(W64, None, k)[0] <= 1e-9
+        assert on_gpu.tokens[k].convex_indices.size <= d + 1
+    assert on_gpu.counts["inconclusive"] == 0
+    assert auditor.verify(on_gpu, head).ok

@@ -211,8 +211,8 @@ def test_a_basis_given_its_points_spends_them_and_answers_as_one_that_gathers_th
     assert np.array_equal(spent.points, gathered.points) and np.array_equal(spent.pool, gathered.pool)
     assert np.array_equal(spent.inverse, gathered.inverse)
     # the start's inverse is that of its points as columns
-    start = spent.points[spent.start]
-    assert np.abs(spent.inverse @ start.T - np.eye(d + 1)).max() < 1e-8
+    start = spent.points[spent.start].numpy()  # (tensors on the head's device: here the CPU's, the same memory)
+    assert np.abs(spent.inverse.numpy() @ start.T - np.eye(d + 1)).max() < 1e-8
     for k in range(3000, 3004):
         a, b = spent.certificate(k, max_pivots=d + 1), gathered.certificate(k, max_pivots=d + 1)
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])

@@ -30,6 +30,8 @@ through certify.check_convex like every other certificate.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import scipy.linalg
 import torch
@@ -83,6 +85,14 @@ class Basis:
             self.pool = self.pool[order]
             _reorder_rows(self.points, order)
             self.start = np.arange(self.start.size)
+        # The pivots' arrays on the head's device (on the CPU the same memory: no copy): a pivot reads the
+        # start's inverse twice and the pool's points once, O(m r) each, where the head lies.
+        device = head.device
+        self.scale = torch.as_tensor(self.scale, device=device)
+        self.span = torch.as_tensor(self.span, device=device) if self.span is not None else None
+        self.points = torch.as_tensor(self.points, device=device)
+        self.inverse = torch.as_tensor(self.inverse, device=device) if self.inverse is not None else None
+        if self.start is not None:
             self.rest = self.points[self.start.size:]
 
     def certificate(self, k: int, point: np.ndarray | None = None, max_pivots: int | None = None,
@@ -95,31 +105,34 @@ class Basis:
             return None
         if point is None:
             point = lifted_points(self.head, np.array([k]))[0]
-        target = point / self.scale
+        device = self.points.device
+        target = torch.as_tensor(point, dtype=torch.float64, device=device) / self.scale
         if self.span is not None:
             target = target @ self.span
         r = self.points.shape[1]
         max_pivots = r if max_pivots is None else max_pivots
         product = _ProductForm(self.inverse, r)
-        basis = self.start.copy()
+        basis = self.start.copy()  # positions, on the host (the pivots' choices are the host's)
+        on_device = torch.as_tensor(basis, device=device)
         weights = product.solve(target)
         basic = np.zeros(self.pool.size, dtype=bool)
         basic[basis] = True
         banned = (self.pool == k) & (not own)  # a certificate never uses the token's own row
-        cost = np.where(basic, 0.0, 1.0)  # reduced costs: the start is dual feasible
-        row = np.empty(self.pool.size)
+        open_ = torch.as_tensor(~basic & ~banned, device=device)  # rows that may enter
+        cost = torch.as_tensor(np.where(basic, 0.0, 1.0), device=device)  # reduced costs: the start is dual feasible
+        row = torch.empty(self.pool.size, dtype=torch.float64, device=device)
         for pivot in range(max_pivots + 1):
             own = np.flatnonzero(banned[basis])
             if own.size:  # the token's own row leaves first, whatever its weight
                 leave = int(own[0])
             else:
-                leave = int(np.argmin(weights))
-                if weights[leave] >= 0:
+                leave = int(torch.argmin(weights))
+                if float(weights[leave]) >= 0:
                     break
             if pivot == max_pivots:
                 return None
-            self._leaving_row(product.inverse_row(leave), basic, basis, leave, row)
-            enter = _entering(row, ~basic & ~banned, cost, bool(own.size), weights[leave])
+            self._leaving_row(product.inverse_row(leave), basic, on_device, leave, row)
+            enter = _entering(row, open_, cost, bool(own.size), float(weights[leave]))
             if enter is None:
                 return None  # no non-negative weights on the pool reach the point: it is outside their hull
             cost = cost - (cost[enter] / row[enter]) * row  # 0 on the new basis, -theta on the row that leaves
@@ -130,19 +143,24 @@ class Basis:
             weights[leave] = step
             product.etas.append((leave, column))
             basic[basis[leave]], basic[enter] = False, True
+            if not banned[basis[leave]]:
+                open_[int(basis[leave])] = True
+            open_[enter] = False
             basis[leave] = enter
+            on_device[leave] = enter
             if (pivot + 1) % max(_REFRESH, r // 8) == 0:  # a fresh inverse, and the etas start again
-                product.inverse, product.etas = np.linalg.inv(self.points[basis].T), []
+                product.inverse, product.etas = torch.linalg.inv(self.points[on_device].T), []
                 weights = product.inverse @ target
-        weights = np.maximum(self._refined(product, target, basis), 0.0)
+        weights = self._refined(product, target, on_device).clamp_(min=0.0).cpu().numpy()
         keep = weights > 0
         if not keep.any():
             return None
         return self.pool[basis[keep]], weights[keep] / weights[keep].sum()
 
-    def _leaving_row(self, u: np.ndarray, basic: np.ndarray, basis: np.ndarray, leave: int,
-                     row: np.ndarray) -> np.ndarray:
-        """``row``, filled in place with the leaving row of B^-1 A (``u`` = e_l^T B^-1)."""
+    def _leaving_row(self, u: torch.Tensor, basic: np.ndarray, basis: torch.Tensor, leave: int,
+                     row: torch.Tensor) -> torch.Tensor:
+        """``row``, filled in place with the leaving row of B^-1 A (``u`` = e_l^T B^-1); ``basic`` on the host,
+        ``basis`` (the basic positions) on the device."""
         r = self.points.shape[1]
         # computed on the rows outside the start and the start's rows that left the basis; on the basic rows
         # 0 but the leaving one's 1
@@ -150,22 +168,23 @@ class Basis:
         left_start = np.flatnonzero(~basic[:r])
         row[:r] = 0.0
         if left_start.size:
-            row[left_start] = self.points[left_start] @ u
+            left = torch.as_tensor(left_start, device=row.device)
+            row[left] = self.points[left] @ u
         row[basis] = 0.0
         row[basis[leave]] = 1.0
         return row
 
-    def _refined(self, product: _ProductForm, target: np.ndarray, basis: np.ndarray) -> np.ndarray:
+    def _refined(self, product: _ProductForm, target: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
         """The basis' weights for ``target``, the best of a few steps of iterative refinement."""
         # iterative refinement with the inverse at hand: the weights as accurate as a fresh solve, on an
         # ill-conditioned basis too (a step shrinks the error by about cond * eps); the best kept
-        spread = np.zeros(self.pool.size)  # B w as (pool-sized weights) @ points: no gathered copy of B
+        spread = self.points.new_zeros(self.pool.size)  # B w as (pool-sized weights) @ points: no gathered B
         weights = product.solve(target)
-        best, least = weights, np.inf
+        best, least = weights, math.inf
         for _ in range(4):
             spread[basis] = weights
             residual = target - spread @ self.points
-            size = float(np.abs(residual).max())
+            size = float(residual.abs().max())
             if not size < least / 2:  # no longer halving: the better of the last two stands
                 if size < least:
                     best, least = weights, size
@@ -179,12 +198,13 @@ class Basis:
 # the entering point), B_0^-1 never written. A pivot then reads B_0^-1 twice and the non-start rows once (three
 # r x r passes), where updating an explicit inverse would copy it and write it as well.
 class _ProductForm:
-    """The basis inverse in product form: the shared start's inverse and one eta column per pivot."""
+    """The basis inverse in product form: the shared start's inverse and one eta column per pivot (tensors on
+    the basis' device)."""
 
-    def __init__(self, inverse: np.ndarray, r: int):
+    def __init__(self, inverse: torch.Tensor, r: int):
         self.inverse, self.etas, self.r = inverse, [], r
 
-    def solve(self, x: np.ndarray) -> np.ndarray:
+    def solve(self, x: torch.Tensor) -> torch.Tensor:
         """B^-1 x."""
         y = self.inverse @ x
         for l, column in self.etas:
@@ -193,32 +213,31 @@ class _ProductForm:
             y[l] = f
         return y
 
-    def inverse_row(self, leave: int) -> np.ndarray:
+    def inverse_row(self, leave: int) -> torch.Tensor:
         """e_l^T B^-1."""
-        v = np.zeros(self.r)
+        v = self.inverse.new_zeros(self.r)
         v[leave] = 1.0
         for l, column in reversed(self.etas):  # v E_s changes entry l_s only
             v[l] = (v[l] - (v @ column - v[l] * column[l])) / column[l]
         return v @ self.inverse
 
 
-def _entering(row: np.ndarray, allowed: np.ndarray, cost: np.ndarray, own_leaves: bool,
+def _entering(row: torch.Tensor, allowed: torch.Tensor, cost: torch.Tensor, own_leaves: bool,
               leaving_weight: float) -> int | None:
     """The pool position that enters the basis by the dual ratio test, None where no entry of the row may."""
-    threshold = _PIVOT * float(np.abs(row).max())
+    threshold = _PIVOT * float(row.abs().max())
     # The dual ratio test: entering on a negative entry of the row keeps every reduced cost
     # non-negative and makes a negative weight the new row's positive one. The token's own row leaves
     # whatever its weight; its reduced cost does not matter (it never enters again), so the entries
     # of the weight's sign serve, and a positive weight passes to the entering row.
     sign = 1.0 if own_leaves and leaving_weight > 0 else -1.0
     candidates = allowed & (sign * row > threshold)
-    if not candidates.any() and own_leaves:
+    if own_leaves and not bool(candidates.any()):
         sign = -sign
         candidates = allowed & (sign * row > threshold)
-    if not candidates.any():
-        return None
-    ratio = np.where(candidates, np.maximum(cost, 0.0) / np.where(candidates, sign * row, 1.0), np.inf)
-    return int(np.argmin(ratio))
+    ratio = torch.where(candidates, cost.clamp(min=0.0) / torch.where(candidates, sign * row, 1.0), torch.inf)
+    enter = int(torch.argmin(ratio))
+    return enter if bool(candidates[enter]) else None
 
 
 def _reorder_rows(array: np.ndarray, order: np.ndarray) -> None:
