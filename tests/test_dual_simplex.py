@@ -211,8 +211,8 @@ def test_a_basis_given_its_points_spends_them_and_answers_as_one_that_gathers_th
     assert np.array_equal(spent.points, gathered.points) and np.array_equal(spent.pool, gathered.pool)
     assert np.array_equal(spent.inverse, gathered.inverse)
     # the start's inverse is that of its points as columns
-    start = spent.points[spent.start].numpy()  # (tensors on the head's device: here the CPU's, the same memory)
-    assert np.abs(spent.inverse.numpy() @ start.T - np.eye(d + 1)).max() < 1e-8
+    start = spent.points[spent.start]
+    assert np.abs(spent.inverse @ start.T - np.eye(d + 1)).max() < 1e-8
     for k in range(3000, 3004):
         a, b = spent.certificate(k, max_pivots=d + 1), gathered.certificate(k, max_pivots=d + 1)
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
@@ -240,3 +240,32 @@ def test_the_inverse_written_over_its_matrix_is_the_inverse_of_its_transpose(rng
     singular = square.copy()
     singular[3] = singular[5] * 2.0  # a row twice another: rank 39, refused rather than inverted
     assert _inverse_if_well_conditioned(singular) is None
+
+
+def test_the_pivots_on_device_tensors_take_the_host_s_steps(rng, monkeypatch):
+    """The pivots as a GPU takes them (the basis' arrays as torch tensors, the same code), forced on the CPU,
+    against the host's numpy arrays: for rows in the pool and out of it, the same answer (inside or not, as the
+    LP over the pool's other rows says), on the same rows with the same weights up to rounding, every
+    certificate checked."""
+    from auditor.engine.exact import dual_simplex
+
+    d = 6
+    W = rng.standard_normal((400, d))
+    head = engine_head(W)
+    pool = np.arange(0, 400, 2)
+    start, _, _ = reduce_support(head, pool, np.full(pool.size, 1.0 / pool.size))
+    on_host = Basis(head, pool, start)
+    monkeypatch.setattr(dual_simplex, "pivots_on_device", lambda device: True)
+    on_device = Basis(head, pool, start)
+    assert isinstance(on_device.points, torch.Tensor) and isinstance(on_host.points, np.ndarray)
+    inside = 0
+    for k in range(1, 400, 3):
+        host = on_host.certificate(k, max_pivots=10_000)
+        device = on_device.certificate(k, max_pivots=10_000)
+        assert (host is None) == (device is None) == (not in_hull_lp(W[pool[pool != k]], W[k]))
+        if host is not None:
+            inside += 1
+            assert np.array_equal(host[0], device[0])
+            assert np.abs(host[1] - device[1]).max() <= 1e-12
+            assert_certificate(head, W, k, device)
+    assert inside > 20

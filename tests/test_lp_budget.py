@@ -95,12 +95,22 @@ def test_tokens_on_several_threads_get_the_outcomes_they_get_one_after_another(m
     redirections of descriptor 1 take turns."""
     import threading
 
+    import torch
+
     from auditor.engine.exact import constraint_generation
 
     rng = np.random.default_rng(7)
     W = rng.standard_normal((400, 5))
     b = 0.5 * rng.standard_normal(400)
-    used, decide_all = [], constraint_generation.lp_decide_all
+    used, decide_all, decide = [], constraint_generation.lp_decide_all, constraint_generation.lp_decide
+    inside = []  # (thread, torch's thread count) in each token's search
+
+    def deciding(*args):
+        inside.append((threading.get_ident(), torch.get_num_threads()))
+        return decide(*args)
+
+    monkeypatch.setattr(constraint_generation, "lp_decide", deciding)
+    torch.set_num_threads(2)  # the audit's count, which the stage must put back
 
     def recording(workers):
         def run(head, tokens, seeds, rounds, done=None):
@@ -113,13 +123,19 @@ def test_tokens_on_several_threads_get_the_outcomes_they_get_one_after_another(m
             return outcomes
         return run
 
-    reports = []
+    reports, searches = [], []
     for workers in (1, 2):
         monkeypatch.setattr(constraint_generation, "lp_decide_all", recording(workers))
         monkeypatch.setattr("auditor.engine.stages.lp_decide_all", recording(workers))
+        inside.clear()
         reports.append(auditor.audit(W, b, progress=False, frank_wolfe_iterations=0, newton_iterations=0,
-                                     min_norm_rounds=0, lp_rounds=3))
+                                     min_norm_rounds=0, lp_rounds=3, threads=2))
+        searches.append(list(inside))
     one, two = reports
+    assert {ident for ident, _ in searches[0]} == {threading.get_ident()}  # one after another, here
+    assert len({ident for ident, _ in searches[1]} - {threading.get_ident()}) == 2  # two workers
+    assert {count for _, count in searches[1]} == {1}  # one torch thread each inside the stage
+    assert torch.get_num_threads() == 2
     alone = [call for workers, calls in used if workers == 1 for call in calls]
     shared = [call for workers, calls in used if workers == 2 for call in calls]
     tokens = [k for k, _ in shared]
@@ -142,22 +158,26 @@ def test_tokens_on_several_threads_get_the_outcomes_they_get_one_after_another(m
 
 
 def test_the_solvers_banners_never_reach_the_report_s_stream(capfd):
-    """Many HiGHS programs built on two threads at once: each constructor's banner goes to the null device,
-    and descriptor 1 is the report's stream again afterwards (overlapping redirections would have left the
-    null device in its place)."""
+    """Blocks of quiet_stdout on two threads at once, overlapping every time (as the exact stage's workers build
+    their HiGHS programs): every banner goes to the null device, neither thread waits for the other's block to
+    end, and descriptor 1 is the report's stream again afterwards (redirections swapped on their own would have
+    left the null device in its place)."""
+    import os
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from auditor.util.io import quiet_stdout
 
+    both = threading.Barrier(2)  # the two threads' blocks overlap, every time
+
     def quietly(j):
         with quiet_stdout():
-            import os
             os.write(1, b"banner\n")
+            both.wait(timeout=10)
         return j
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         assert sorted(pool.map(quietly, range(200))) == list(range(200))
-    import os
     os.write(1, b"report\n")
     out = capfd.readouterr().out
     assert "banner" not in out and out.endswith("report\n")

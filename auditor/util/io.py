@@ -71,7 +71,9 @@ def send_solver_output_to_stderr(enabled: bool = True) -> None:
     _solver_output_to_stderr = enabled
 
 
-_redirecting = threading.RLock()  # descriptor 1 is the process's: one redirection at a time, across threads
+_redirecting = threading.Lock()  # guards the count and the descriptor swaps below
+_redirections = 0  # blocks inside quiet_stdout now, on any thread
+_saved_stdout: int | None = None  # descriptor 1 as it was before the first of them
 
 
 @contextlib.contextmanager
@@ -80,29 +82,37 @@ def quiet_stdout():
     block, or to standard error after ``send_solver_output_to_stderr()`` (``--debug``).
 
     Standard output carries the report (``--format json`` is piped into other tools), so nothing else may reach
-    it; the redirection is of file descriptor 1 itself, which C and C++ libraries write to directly. Blocks on
-    other threads (the exact stage's workers) wait for this one: two redirections that overlapped could put
-    back the null device in place of the report's stream.
+    it; the redirection is of file descriptor 1 itself, which C and C++ libraries write to directly. Descriptor 1
+    is the process's: blocks on several threads at once (the exact stage's workers) share one redirection, made
+    by the first to enter and undone by the last to leave (two that swapped it on their own could put the null
+    device back in place of the report's stream).
     """
+    global _redirections, _saved_stdout
     with _redirecting:
-        if sys.stdout is not None:  # None under pythonw and some services
-            sys.stdout.flush()
-        try:
-            saved = os.dup(1)
-        except OSError:  # no descriptor 1 at all: nothing can reach it
-            yield
-            return
-        try:
-            if _solver_output_to_stderr:
-                if sys.stderr is not None:
-                    sys.stderr.flush()
-                os.dup2(2, 1)
-            else:
-                with open(os.devnull, "wb") as null:
-                    os.dup2(null.fileno(), 1)
-            yield
-        finally:
-            if sys.stdout is not None:
+        if _redirections == 0:
+            if sys.stdout is not None:  # None under pythonw and some services
                 sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
+            try:
+                _saved_stdout = os.dup(1)
+            except OSError:  # no descriptor 1 at all: nothing can reach it
+                _saved_stdout = None
+            if _saved_stdout is not None:
+                if _solver_output_to_stderr:
+                    if sys.stderr is not None:
+                        sys.stderr.flush()
+                    os.dup2(2, 1)
+                else:
+                    with open(os.devnull, "wb") as null:
+                        os.dup2(null.fileno(), 1)
+        _redirections += 1
+    try:
+        yield
+    finally:
+        with _redirecting:
+            _redirections -= 1
+            if _redirections == 0 and _saved_stdout is not None:
+                if sys.stdout is not None:
+                    sys.stdout.flush()
+                os.dup2(_saved_stdout, 1)
+                os.close(_saved_stdout)
+                _saved_stdout = None

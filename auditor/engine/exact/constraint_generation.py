@@ -16,6 +16,7 @@ token the plain LP decides, up to the float64 checks that every answer goes thro
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
@@ -144,18 +145,21 @@ def lp_decide_all(head: EngineHead, tokens: list[int], seeds: dict[int, np.ndarr
     stage decides every token the plain LP decides (up to the float64 checks), at a bounded
     multiple of its cost. ``rounds`` = 0 skips the stage.
 
-    The tokens run side by side on ``workers`` threads (by default the audit's thread count, lp_workers):
-    HiGHS lets go of the interpreter while it solves, and each token's search is its own (its program, its
-    rivals, its checks against the head, which only reads), so its outcome does not depend on the others or
-    on the order they finish in. Each thread then takes one of the audit's cores: torch's products inside the
-    searches run on one thread each for the stage, and come back to the audit's count after it."""
+    The tokens run side by side on ``workers`` threads (by default lp_workers: one a core of the audit, within
+    the memory the programs over all rows take): HiGHS lets go of the interpreter while it solves, and each
+    token's search is its own (its program, its rivals, its checks against the head, which only reads), so
+    that its outcome does not depend on the tokens beside it or on the order they finish in. Each thread then
+    takes one of the audit's cores: torch's products inside the searches run on one thread each for the
+    stage (a single token's on the audit's threads; products on more threads may round their last bits
+    differently), and come back to the audit's count after it. An error, or an interrupt, cancels the tokens
+    not yet started."""
     if rounds <= 0:
         outcomes = {k: LpOutcome() for k in tokens}
         for k in tokens:
             if done is not None:
                 done(k)
         return outcomes
-    workers = lp_workers(head, len(tokens)) if workers is None else max(1, min(workers, len(tokens)))
+    workers = lp_workers(head, len(tokens), workers)
     if workers == 1:
         outcomes = {}
         for k in tokens:
@@ -164,13 +168,19 @@ def lp_decide_all(head: EngineHead, tokens: list[int], seeds: dict[int, np.ndarr
                 done(k)
         return outcomes
     found: dict[int, LpOutcome] = {}
-    with torch_threads(1), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="auditor-lp") as pool:
-        running = {pool.submit(lp_decide, head, k, seeds[k], rounds): k for k in tokens}
-        for future in as_completed(running):
-            k = running[future]
-            found[k] = future.result()
-            if done is not None:
-                done(k)
+    with torch_threads(1):
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="auditor-lp")
+        try:
+            running = {pool.submit(lp_decide, head, k, seeds[k], rounds): k for k in tokens}
+            for future in as_completed(running):
+                k = running[future]
+                found[k] = future.result()
+                if done is not None:
+                    done(k)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # the running ones finish their solve; no new one starts
+            raise
+        pool.shutdown(wait=True)
     return {k: found[k] for k in tokens}
 
 
@@ -187,14 +197,30 @@ def lp_decide(head: EngineHead, k: int, seed_rivals: np.ndarray, rounds: int) ->
     return search.outcome
 
 
-def lp_workers(head: EngineHead, tokens: int) -> int:
-    """Threads for the exact stage: one a core of the audit (torch's thread count), at most one a token; one
-    where the program is conic (bounded domains other than boxes: cvxpy and Clarabel, whose setup is neither
-    thread-safe nor free of the interpreter) or where there are too few tokens to share."""
+def lp_workers(head: EngineHead, tokens: int, wanted: int | None = None) -> int:
+    """Threads for the exact stage: ``wanted``, else one a core of the audit (torch's thread count); at most one
+    a token, and at most as many as the host's free memory holds programs over all rows (each about
+    _PROGRAM_BYTES a row of a competitor per dimension, HiGHS's copies included); one where the program is
+    conic (bounded domains other than boxes: cvxpy and Clarabel, whose setup is neither thread-safe nor free of
+    the interpreter)."""
     linear = head.domain.polyhedral or (head.domain.orthant and head.bias is None)
     if not linear or tokens < 2:
         return 1
-    return max(1, min(torch.get_num_threads(), tokens))
+    count = min(torch.get_num_threads() if wanted is None else wanted, tokens)
+    program = _PROGRAM_BYTES * head.n_competitors * (head.d + 2)
+    return max(1, min(count, _free_memory() // max(program, 1)))
+
+
+_PROGRAM_BYTES = 64  # a program over all rows: its n x (d + 2) values and indices, and HiGHS's own copies
+
+
+def _free_memory() -> int:
+    """The host's free physical memory in bytes (Linux and macOS), or a very large number where the system does
+    not say."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 _LARGEST_SHARE = 0.25

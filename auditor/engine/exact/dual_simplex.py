@@ -85,13 +85,15 @@ class Basis:
             self.pool = self.pool[order]
             _reorder_rows(self.points, order)
             self.start = np.arange(self.start.size)
-        # The pivots' arrays on the head's device (on the CPU the same memory: no copy): a pivot reads the
-        # start's inverse twice and the pool's points once, O(m r) each, where the head lies.
-        device = head.device
-        self.scale = torch.as_tensor(self.scale, device=device)
-        self.span = torch.as_tensor(self.span, device=device) if self.span is not None else None
-        self.points = torch.as_tensor(self.points, device=device)
-        self.inverse = torch.as_tensor(self.inverse, device=device) if self.inverse is not None else None
+        # The pivots' arrays where the head lies: a pivot reads the start's inverse twice and the pool's points
+        # once, O(m r) each. On the CPU they stay numpy arrays, whose small operations (a pivot's etas are a few
+        # dozen of them) cost a tenth of torch's; on a GPU they move there as tensors, and the same steps run as
+        # its kernels (the code below is written for either kind: _Arrays).
+        if pivots_on_device(head.device):
+            self.scale, self.span, self.points, self.inverse = (
+                torch.as_tensor(array, device=head.device) if array is not None else None
+                for array in (self.scale, self.span, self.points, self.inverse))
+        self.xp = _Arrays(self.points)
         if self.start is not None:
             self.rest = self.points[self.start.size:]
 
@@ -105,34 +107,34 @@ class Basis:
             return None
         if point is None:
             point = lifted_points(self.head, np.array([k]))[0]
-        device = self.points.device
-        target = torch.as_tensor(point, dtype=torch.float64, device=device) / self.scale
+        xp = self.xp
+        target = xp.array(point) / self.scale
         if self.span is not None:
             target = target @ self.span
         r = self.points.shape[1]
         max_pivots = r if max_pivots is None else max_pivots
-        product = _ProductForm(self.inverse, r)
+        product = _ProductForm(self.inverse, r, xp)
         basis = self.start.copy()  # positions, on the host (the pivots' choices are the host's)
-        on_device = torch.as_tensor(basis, device=device)
+        where = xp.index(basis)  # the same, where the arrays lie
         weights = product.solve(target)
         basic = np.zeros(self.pool.size, dtype=bool)
         basic[basis] = True
         banned = (self.pool == k) & (not own)  # a certificate never uses the token's own row
-        open_ = torch.as_tensor(~basic & ~banned, device=device)  # rows that may enter
-        cost = torch.as_tensor(np.where(basic, 0.0, 1.0), device=device)  # reduced costs: the start is dual feasible
-        row = torch.empty(self.pool.size, dtype=torch.float64, device=device)
+        open_ = xp.array(~basic & ~banned)  # the rows that may enter
+        cost = xp.array(np.where(basic, 0.0, 1.0))  # reduced costs: the start is dual feasible
+        row = xp.zeros(self.pool.size)
         for pivot in range(max_pivots + 1):
             own = np.flatnonzero(banned[basis])
             if own.size:  # the token's own row leaves first, whatever its weight
                 leave = int(own[0])
             else:
-                leave = int(torch.argmin(weights))
+                leave = int(weights.argmin())
                 if float(weights[leave]) >= 0:
                     break
             if pivot == max_pivots:
                 return None
-            self._leaving_row(product.inverse_row(leave), basic, on_device, leave, row)
-            enter = _entering(row, open_, cost, bool(own.size), float(weights[leave]))
+            self._leaving_row(product.inverse_row(leave), basic, where, leave, row)
+            enter = _entering(row, open_, cost, bool(own.size), float(weights[leave]), xp)
             if enter is None:
                 return None  # no non-negative weights on the pool reach the point: it is outside their hull
             cost = cost - (cost[enter] / row[enter]) * row  # 0 on the new basis, -theta on the row that leaves
@@ -147,20 +149,20 @@ class Basis:
                 open_[int(basis[leave])] = True
             open_[enter] = False
             basis[leave] = enter
-            on_device[leave] = enter
+            where[leave] = enter
             if (pivot + 1) % max(_REFRESH, r // 8) == 0:  # a fresh inverse, and the etas start again
-                product.inverse, product.etas = torch.linalg.inv(self.points[on_device].T), []
+                product.inverse, product.etas = xp.linalg.inv(self.points[where].T), []
                 weights = product.inverse @ target
-        weights = self._refined(product, target, on_device).clamp_(min=0.0).cpu().numpy()
+        weights = xp.host(self._refined(product, target, where))
+        weights = np.maximum(weights, 0.0)
         keep = weights > 0
         if not keep.any():
             return None
         return self.pool[basis[keep]], weights[keep] / weights[keep].sum()
 
-    def _leaving_row(self, u: torch.Tensor, basic: np.ndarray, basis: torch.Tensor, leave: int,
-                     row: torch.Tensor) -> torch.Tensor:
+    def _leaving_row(self, u, basic: np.ndarray, basis, leave: int, row):
         """``row``, filled in place with the leaving row of B^-1 A (``u`` = e_l^T B^-1); ``basic`` on the host,
-        ``basis`` (the basic positions) on the device."""
+        ``basis`` (the basic positions) where the arrays lie."""
         r = self.points.shape[1]
         # computed on the rows outside the start and the start's rows that left the basis; on the basic rows
         # 0 but the leaving one's 1
@@ -168,23 +170,23 @@ class Basis:
         left_start = np.flatnonzero(~basic[:r])
         row[:r] = 0.0
         if left_start.size:
-            left = torch.as_tensor(left_start, device=row.device)
+            left = self.xp.index(left_start)
             row[left] = self.points[left] @ u
         row[basis] = 0.0
         row[basis[leave]] = 1.0
         return row
 
-    def _refined(self, product: _ProductForm, target: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    def _refined(self, product: _ProductForm, target, basis):
         """The basis' weights for ``target``, the best of a few steps of iterative refinement."""
         # iterative refinement with the inverse at hand: the weights as accurate as a fresh solve, on an
         # ill-conditioned basis too (a step shrinks the error by about cond * eps); the best kept
-        spread = self.points.new_zeros(self.pool.size)  # B w as (pool-sized weights) @ points: no gathered B
+        spread = self.xp.zeros(self.pool.size)  # B w as (pool-sized weights) @ points: no gathered copy of B
         weights = product.solve(target)
         best, least = weights, math.inf
         for _ in range(4):
             spread[basis] = weights
             residual = target - spread @ self.points
-            size = float(residual.abs().max())
+            size = float(abs(residual).max())
             if not size < least / 2:  # no longer halving: the better of the last two stands
                 if size < least:
                     best, least = weights, size
@@ -197,14 +199,47 @@ class Basis:
 # B^-1 = E_t ... E_1 B_0^-1, E_s the identity with column l_s replaced by the eta of column_s (B_(s-1)^-1 times
 # the entering point), B_0^-1 never written. A pivot then reads B_0^-1 twice and the non-start rows once (three
 # r x r passes), where updating an explicit inverse would copy it and write it as well.
+def pivots_on_device(device: torch.device) -> bool:
+    """Whether a basis on a head on ``device`` keeps its arrays there as tensors (a GPU) rather than as numpy
+    arrays on the host (the CPU)."""
+    return device.type != "cpu"
+
+
+class _Arrays:
+    """What the pivots need of their arrays' kind, numpy's on the CPU and torch's on a GPU (the rest of the code
+    is written in the operators and methods the two share): new arrays, index arrays, the linear algebra module,
+    and the way back to the host."""
+
+    def __init__(self, like):
+        self.torch = isinstance(like, torch.Tensor)
+        self.device = like.device if self.torch else None
+        self.linalg = torch.linalg if self.torch else np.linalg
+        self.inf = math.inf
+
+    def array(self, values):
+        return torch.as_tensor(values, device=self.device) if self.torch else np.asarray(values)
+
+    def index(self, positions: np.ndarray):
+        """A copy of host positions where the arrays lie (changed in place as the basis changes)."""
+        return torch.as_tensor(positions, device=self.device) if self.torch else positions.copy()
+
+    def zeros(self, size: int):
+        return torch.zeros(size, dtype=torch.float64, device=self.device) if self.torch else np.zeros(size)
+
+    def where(self, condition, a, b):
+        return torch.where(condition, a, b) if self.torch else np.where(condition, a, b)
+
+    def host(self, values) -> np.ndarray:
+        return values.cpu().numpy() if self.torch else values
+
+
 class _ProductForm:
-    """The basis inverse in product form: the shared start's inverse and one eta column per pivot (tensors on
-    the basis' device)."""
+    """The basis inverse in product form: the shared start's inverse and one eta column per pivot."""
 
-    def __init__(self, inverse: torch.Tensor, r: int):
-        self.inverse, self.etas, self.r = inverse, [], r
+    def __init__(self, inverse, r: int, xp: _Arrays):
+        self.inverse, self.etas, self.r, self.xp = inverse, [], r, xp
 
-    def solve(self, x: torch.Tensor) -> torch.Tensor:
+    def solve(self, x):
         """B^-1 x."""
         y = self.inverse @ x
         for l, column in self.etas:
@@ -213,19 +248,18 @@ class _ProductForm:
             y[l] = f
         return y
 
-    def inverse_row(self, leave: int) -> torch.Tensor:
+    def inverse_row(self, leave: int):
         """e_l^T B^-1."""
-        v = self.inverse.new_zeros(self.r)
+        v = self.xp.zeros(self.r)
         v[leave] = 1.0
         for l, column in reversed(self.etas):  # v E_s changes entry l_s only
             v[l] = (v[l] - (v @ column - v[l] * column[l])) / column[l]
         return v @ self.inverse
 
 
-def _entering(row: torch.Tensor, allowed: torch.Tensor, cost: torch.Tensor, own_leaves: bool,
-              leaving_weight: float) -> int | None:
+def _entering(row, allowed, cost, own_leaves: bool, leaving_weight: float, xp: _Arrays) -> int | None:
     """The pool position that enters the basis by the dual ratio test, None where no entry of the row may."""
-    threshold = _PIVOT * float(row.abs().max())
+    threshold = _PIVOT * float(abs(row).max())
     # The dual ratio test: entering on a negative entry of the row keeps every reduced cost
     # non-negative and makes a negative weight the new row's positive one. The token's own row leaves
     # whatever its weight; its reduced cost does not matter (it never enters again), so the entries
@@ -235,8 +269,8 @@ def _entering(row: torch.Tensor, allowed: torch.Tensor, cost: torch.Tensor, own_
     if own_leaves and not bool(candidates.any()):
         sign = -sign
         candidates = allowed & (sign * row > threshold)
-    ratio = torch.where(candidates, cost.clamp(min=0.0) / torch.where(candidates, sign * row, 1.0), torch.inf)
-    enter = int(torch.argmin(ratio))
+    ratio = xp.where(candidates, xp.where(cost > 0, cost, 0.0) / xp.where(candidates, sign * row, 1.0), xp.inf)
+    enter = int(ratio.argmin())
     return enter if bool(candidates[enter]) else None
 
 
