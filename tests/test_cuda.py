@@ -90,3 +90,29 @@ def test_rows_off_the_centre_take_the_pool_routes_on_the_device(monkeypatch):
         assert on_gpu.tokens[k].convex_indices.size <= d + 1
     assert on_gpu.counts["inconclusive"] == 0
     assert auditor.verify(on_gpu, head).ok
+
+
+def test_the_dual_simplex_pivots_on_cuda_take_the_host_s_steps():
+    """A basis on a head on the GPU keeps its arrays there as tensors: for rows in its pool and out of it, the
+    same answers as the host's basis (inside or not), on the same rows with the same weights up to rounding."""
+    from conftest import engine_head
+
+    from auditor.engine.exact.caratheodory import reduce_support
+    from auditor.engine.exact.dual_simplex import Basis
+
+    rng = np.random.default_rng(4)
+    W = rng.standard_normal((400, 6))
+    pool = np.arange(0, 400, 2)
+    on_host_head, on_device_head = engine_head(W), engine_head(torch.from_numpy(W).cuda())
+    start, _, _ = reduce_support(on_host_head, pool, np.full(pool.size, 1.0 / pool.size))
+    on_host, on_device = Basis(on_host_head, pool, start), Basis(on_device_head, pool, start)
+    assert on_device.points.is_cuda
+    inside = 0
+    for k in range(1, 400, 3):
+        host = on_host.certificate(k, max_pivots=10_000)
+        device = on_device.certificate(k, max_pivots=10_000)
+        assert (host is None) == (device is None)
+        if host is not None:
+            inside += 1
+            assert np.array_equal(host[0], device[0]) and np.abs(host[1] - device[1]).max() <= 1e-12
+    assert inside > 20

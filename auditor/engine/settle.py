@@ -261,9 +261,9 @@ class CentreRoutes:
     def _linear(self, points: torch.Tensor, centre: PoolCentre | None, null: torch.Tensor | None,
                 ks: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """The centre pool's certificates from linear_weights for tokens ``ks`` (rows not in the pool), where
-        every weight is positive: the weights of a block of tokens from one pair of triangular solves, and
-        their eliminations together on the pool's shared null vectors (elimination.eliminate_on_pool), on the pool's
-        device. Each token's certificate is its own alone, whatever the others in its block."""
+        every weight is positive: each token's weights from its own pair of triangular solves, and a block's
+        eliminations on the pool's shared null vectors (elimination.eliminate_on_pool: together on a GPU), on
+        the pool's device. Each token's certificate is its own alone, whatever the others in its block."""
         found: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         if centre is None or not ks:
             return found

@@ -176,15 +176,9 @@ def eliminate_on(device: torch.device, points: np.ndarray | list[np.ndarray], al
 
 
 def eliminate_where(points: torch.Tensor, alpha: torch.Tensor, null: torch.Tensor | None = None) -> np.ndarray:
-    """``eliminate`` for one certificate whose points (m x D) and weights are tensors, where they lie: on the
-    CPU ``eliminate`` itself (numpy views of them, no copy), on another device ``eliminate_batch`` (no step
-    waits on the host), and on the host where a step found no direction there. Weights as numpy."""
-    if steps_on_host(points.device) or points.shape[0] <= points.shape[1]:
-        return eliminate(points.cpu().numpy(), alpha.cpu().numpy(), null.cpu().numpy() if null is not None else None)
-    kept, failed = eliminate_batch(points, alpha[None, :], null)
-    if failed[0]:
-        return eliminate(points.cpu().numpy(), alpha.cpu().numpy(), null.cpu().numpy() if null is not None else None)
-    return kept[0].cpu().numpy()
+    """``eliminate`` for one certificate whose points (m x D) and weights are tensors, where they lie
+    (eliminate_on_pool's one-certificate case). Weights as numpy."""
+    return eliminate_on_pool(points, alpha[None, :], null)[0]
 
 
 def eliminate_on_pool(points: torch.Tensor, alphas: torch.Tensor, null: torch.Tensor | None) -> list[np.ndarray]:
@@ -194,7 +188,8 @@ def eliminate_on_pool(points: torch.Tensor, alphas: torch.Tensor, null: torch.Te
     batches of them at once (eliminate_batch: no step waits on the host), as many as a quarter of its free memory
     holds, and on the host those where a step found no direction."""
     if steps_on_host(points.device) or points.shape[0] <= points.shape[1]:
-        return [eliminate_where(points, alpha, null) for alpha in alphas]
+        host_points, host_null = points.cpu().numpy(), null.cpu().numpy() if null is not None else None
+        return [eliminate(host_points, alpha, host_null) for alpha in alphas.cpu().numpy()]
     m, dim = points.shape
     r = m - dim
     size = batch_count(points.device, _ELIMINATION_BYTES, 8 * (r * m + r * r + 4 * m), _ELIMINATION_BATCH)
