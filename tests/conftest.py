@@ -83,6 +83,21 @@ def mean_initialised(vocabulary, count, rng):
     return rng.multivariate_normal(old.mean(axis=0), 1e-9 * np.cov(old.T), size=count).astype(np.float32)
 
 
+def rows_off_the_centre(rng, n: int, d: int, distances) -> np.ndarray:
+    """An anisotropic float32 head of ``n`` rows whose last ``len(distances)`` rows sit ``distances[j]`` from the
+    others' centre in their covariance metric, each in a random direction: mean-initialised rows as a bfloat16
+    checkpoint stores them sit tens of times further out than float32 ones, where the centre pool's routes
+    (linear weights, maximum-entropy solves, eliminations) take them."""
+    count = len(distances)
+    W = (rng.standard_normal((n, d)) * np.linspace(0.3, 1.5, d)).astype(np.float32)
+    mean = W[:n - count].astype(np.float64).mean(axis=0)
+    factor = np.linalg.cholesky(np.cov(W[:n - count].T.astype(np.float64), bias=True))
+    for k, distance in zip(range(n - count, n), distances):
+        u = rng.standard_normal(d)
+        W[k] = (mean + distance * factor @ (u / np.linalg.norm(u))).astype(np.float32)
+    return W
+
+
 # What a fresh interpreter does not print (Python's default warning filters for ``python -m``).
 _SILENT_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 

@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 import torch
-from conftest import mean_initialised
+from conftest import mean_initialised, rows_off_the_centre
 from oracles import qhull_argmaxable, witness_wins
 
 import auditor
@@ -69,14 +69,8 @@ def test_rows_off_the_centre_take_the_pool_routes_on_the_device(monkeypatch):
 
     from auditor.engine.exact import elimination
 
-    rng = np.random.default_rng(3)
     n, d = 1200, 64
-    W = (rng.standard_normal((n, d)) * np.linspace(0.3, 1.5, d)).astype(np.float32)
-    mean = W[:n - 6].astype(np.float64).mean(axis=0)
-    factor = np.linalg.cholesky(np.cov(W[:n - 6].T.astype(np.float64), bias=True))
-    for j, k in enumerate(range(n - 6, n)):
-        u = rng.standard_normal(d)
-        W[k] = (mean + (0.03 + 0.02 * j) * factor @ (u / np.linalg.norm(u))).astype(np.float32)
+    W = rows_off_the_centre(np.random.default_rng(3), n, d, [0.03 + 0.02 * j for j in range(6)])
     head = torch.from_numpy(W).to(torch.bfloat16)
     devices, batch = [], elimination.eliminate_batch
     monkeypatch.setattr(elimination, "eliminate_batch", lambda *a: devices.append(a[0].device.type) or batch(*a))

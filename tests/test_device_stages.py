@@ -6,6 +6,7 @@ residuals of the certificates, and auditor.verify."""
 import numpy as np
 import pytest
 import torch
+from conftest import rows_off_the_centre
 from oracles import lp_margin
 
 import auditor
@@ -137,12 +138,7 @@ def test_an_audit_whose_pool_routes_take_the_device_path_matches_the_lp(rng, dty
     audit's verdicts are the plain LP's over all rows and the host path's, every certificate on at most D rows
     and verified."""
     n, d = 1200, 64
-    W = (rng.standard_normal((n, d)) * np.linspace(0.3, 1.5, d)).astype(np.float32)
-    mean = W[:n - 6].astype(np.float64).mean(axis=0)
-    factor = np.linalg.cholesky(np.cov(W[:n - 6].T.astype(np.float64), bias=True))
-    for j, k in enumerate(range(n - 6, n)):
-        u = rng.standard_normal(d)
-        W[k] = (mean + (0.03 + 0.02 * j) * factor @ (u / np.linalg.norm(u))).astype(np.float32)
+    W = rows_off_the_centre(rng, n, d, [0.03 + 0.02 * j for j in range(6)])
     head = torch.from_numpy(W).to(dtype)
     on_host = auditor.audit(head, progress=False)
     batches = []
@@ -193,12 +189,7 @@ def test_a_token_s_centre_pool_certificate_does_not_depend_on_the_tokens_beside_
     from auditor.engine.settle import CentreRoutes
 
     n, d = 1200, 48
-    W = (rng.standard_normal((n, d)) * np.linspace(0.3, 1.5, d)).astype(np.float32)
-    mean = W[:n - 8].astype(np.float64).mean(axis=0)
-    factor = np.linalg.cholesky(np.cov(W[:n - 8].T.astype(np.float64), bias=True))
-    for j, k in enumerate(range(n - 8, n)):
-        u = rng.standard_normal(d)
-        W[k] = (mean + (0.02 + 0.01 * j) * factor @ (u / np.linalg.norm(u))).astype(np.float32)
+    W = rows_off_the_centre(rng, n, d, [0.02 + 0.01 * j for j in range(8)])
     head = engine_head(torch.from_numpy(W))
     planted = list(range(n - 8, n))
     routes = CentreRoutes(head)
