@@ -247,7 +247,7 @@ def test_the_pivots_on_device_tensors_take_the_host_s_steps(rng, monkeypatch):
     against the host's numpy arrays: for rows in the pool and out of it, the same answer (inside or not, as the
     LP over the pool's other rows says), on the same rows with the same weights up to rounding, every
     certificate checked."""
-    from auditor.engine.exact import dual_simplex
+    from auditor.engine.exact import elimination
 
     d = 6
     W = rng.standard_normal((400, d))
@@ -255,7 +255,7 @@ def test_the_pivots_on_device_tensors_take_the_host_s_steps(rng, monkeypatch):
     pool = np.arange(0, 400, 2)
     start, _, _ = reduce_support(head, pool, np.full(pool.size, 1.0 / pool.size))
     on_host = Basis(head, pool, start)
-    monkeypatch.setattr(dual_simplex, "pivots_on_device", lambda device: True)
+    monkeypatch.setattr(elimination, "steps_on_host", lambda device: False)
     on_device = Basis(head, pool, start)
     assert isinstance(on_device.points, torch.Tensor) and isinstance(on_host.points, np.ndarray)
     inside = 0

@@ -37,6 +37,7 @@ import scipy.linalg
 import torch
 
 from auditor.engine.arithmetic.head import EngineHead
+from auditor.engine.exact import elimination
 from auditor.engine.exact.caratheodory import lifted_points
 from auditor.engine.exact.elimination import lu_in_place
 
@@ -89,7 +90,7 @@ class Basis:
         # once, O(m r) each. On the CPU they stay numpy arrays, whose small operations (a pivot's etas are a few
         # dozen of them) cost a tenth of torch's; on a GPU they move there as tensors, and the same steps run as
         # its kernels (the code below is written for either kind: _Arrays).
-        if pivots_on_device(head.device):
+        if not elimination.steps_on_host(head.device):  # numpy on the CPU, tensors on a GPU, as eliminations
             self.scale, self.span, self.points, self.inverse = (
                 torch.as_tensor(array, device=head.device) if array is not None else None
                 for array in (self.scale, self.span, self.points, self.inverse))
@@ -199,12 +200,6 @@ class Basis:
 # B^-1 = E_t ... E_1 B_0^-1, E_s the identity with column l_s replaced by the eta of column_s (B_(s-1)^-1 times
 # the entering point), B_0^-1 never written. A pivot then reads B_0^-1 twice and the non-start rows once (three
 # r x r passes), where updating an explicit inverse would copy it and write it as well.
-def pivots_on_device(device: torch.device) -> bool:
-    """Whether a basis on a head on ``device`` keeps its arrays there as tensors (a GPU) rather than as numpy
-    arrays on the host (the CPU)."""
-    return device.type != "cpu"
-
-
 class _Arrays:
     """What the pivots need of their arrays' kind, numpy's on the CPU and torch's on a GPU (the rest of the code
     is written in the operators and methods the two share): new arrays, index arrays, the linear algebra module,
