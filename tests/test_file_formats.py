@@ -134,26 +134,26 @@ def test_a_folder_file_with_the_wrong_format_for_its_name_still_loads(tmp_path):
 @pytest.mark.slow
 def test_a_ctranslate2_model_is_named_and_torch_is_never_asked(tmp_path):
     path = tmp_path / "x.bin"
-    path.write_bytes(b"\x06\x00\x00\x00\x0cWhisperSpec")  # the repro: a one-byte length
+    path.write_bytes(b"\x06\x00\x00\x00\x0cWhisperSpec")  # a one-byte length: recognised, then refused as damaged
     line = cli_error(path)
-    assert "CTranslate2" in line and "unpickle" not in line
+    assert "CTranslate2 model" in line and "unpickle" not in line
 
 
-def test_a_ctranslate2_model_as_converted_is_named(tmp_path, capsys):
+def test_a_ctranslate2_model_cut_after_its_header_is_called_truncated(tmp_path, capsys):
     # as CTranslate2 writes it: uint32 version, uint16 length counting the NUL, the name, NUL, revision, count
     name = b"TransformerDecoderSpec"
     path = tmp_path / "model.bin"
-    path.write_bytes(struct.pack("<IH", 6, len(name) + 1) + name + b"\x00" + struct.pack("<II", 8, 0))
-    assert "CTranslate2 model (TransformerDecoderSpec)" in audit_error(capsys, path)
+    path.write_bytes(struct.pack("<IH", 6, len(name) + 1) + name + b"\x00" + struct.pack("<II", 8, 1))
+    assert "a truncated CTranslate2 model" in audit_error(capsys, path)
 
 
-def test_a_ctranslate2_folder_is_named(tmp_path, capsys):
+def test_a_ctranslate2_folder_without_a_projection_says_so(tmp_path, capsys):
     name = b"WhisperSpec"
     (tmp_path / "model.bin").write_bytes(struct.pack("<IH", 6, len(name) + 1) + name + b"\x00" + bytes(64))
     (tmp_path / "config.json").write_text(json.dumps({"suppress_ids": []}))
     (tmp_path / "vocabulary.json").write_text(json.dumps(["a", "b"]))
     line = audit_error(capsys, tmp_path)
-    assert "model.bin is a CTranslate2 model" in line
+    assert "model.bin: a CTranslate2 model (WhisperSpec) with no decoder/projection/weight" in line
 
 
 def test_a_text_file_named_like_a_torch_checkpoint_is_not_a_checkpoint(tmp_path):
@@ -222,7 +222,6 @@ def test_a_savedmodel_folder_is_named(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("head, named", [
-    (b"\x1c\x00\x00\x00TFL3" + bytes(32), "TensorFlow Lite"),
     (b"tjgg\x01\x00\x00\x00" + bytes(32), "ggjt"),
     (b"\x81\xa5model\x81\xa7lm_head\xc7\x10\x01" + bytes(16), "Flax msgpack"),
 ])

@@ -22,6 +22,7 @@ from safetensors.numpy import save
 os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
 pytest.importorskip("huggingface_hub")
 import huggingface_hub.constants  # noqa: E402  (after the skip: the package is an optional extra)
+from oracles import qhull_argmaxable  # noqa: E402
 
 from auditor.cli.audit import main as audit  # noqa: E402
 from auditor.cli.verify import main as audit_verify  # noqa: E402
@@ -514,3 +515,51 @@ def test_an_unreachable_hub_falls_back_to_the_cache_and_says_so(fake_hub, monkey
     code, report, err = run_audit(capsys, REPO)
     assert (code, err) == (1, "") and same_audit(report, online)
     assert any("cannot be reached" in note and COMMIT in note for note in report["notes"])
+
+
+def ctranslate2_files() -> tuple[dict[str, bytes], np.ndarray]:
+    """A faster-whisper style repository: a CTranslate2 model.bin (an 8 x 3 float32 embedding, the projection an
+    alias of it, row 7 the midpoint of rows 1 and 2), config.json, vocabulary.json, and a README the audit has no
+    use for; and the rows."""
+    rows = np.round(np.random.default_rng(5).standard_normal((7, 3)) * 4) / 4
+    rows = np.vstack([rows, (rows[1] + rows[2]) / 2]).astype(np.float32)  # the midpoint, exact
+
+    def string(text: str) -> bytes:  # a uint16 length that counts the trailing NUL
+        raw = text.encode()
+        return (len(raw) + 1).to_bytes(2, "little") + raw + b"\x00"
+
+    data = rows.tobytes()
+    model = (b"\x06\x00\x00\x00" + string("TransformerDecoderSpec") + b"\x01\x00\x00\x00" + b"\x01\x00\x00\x00"
+             + string("decoder/embeddings/weight") + b"\x02" + (8).to_bytes(4, "little") + (3).to_bytes(4, "little")
+             + b"\x00" + len(data).to_bytes(4, "little") + data
+             + b"\x01\x00\x00\x00" + string("decoder/projection/weight") + string("decoder/embeddings/weight"))
+    return {"model.bin": model, "config.json": b"{}", "vocabulary.json": json.dumps([f"t{i}" for i in range(8)]).encode(),
+            "README.md": b"# a model"}, rows
+
+
+def test_a_ctranslate2_repository_is_audited_from_its_model_bin(hub_env, monkeypatch, tmp_path, capsys):
+    files, rows = ctranslate2_files()
+    hub = FakeHub({"org/fw": files})
+    point_at(monkeypatch, hub.endpoint)
+    try:
+        code, report, err = run_audit(capsys, "org/fw")
+    finally:
+        hub.close()
+    assert err == ""
+    assert hub.content_fetched() == {"model.bin", "config.json", "vocabulary.json"}
+    assert report["head"]["format"] == "ctranslate2" and report["head"]["token_strings"].endswith("vocabulary.json")
+    local = run_audit(capsys, write_folder(tmp_path / "fw", files))[1]
+    assert same_audit(report, local) and code == 1
+    inside = sorted(set(range(8)) - qhull_argmaxable(rows.astype(np.float64)))
+    assert 7 in inside
+    assert [(f["id"], f["token"]) for f in report["findings"] if f["failing"]] == [(k, f"t{k}") for k in inside]
+
+
+def test_a_model_bin_without_ctranslate2s_files_is_not_fetched(hub_env, monkeypatch, capsys):
+    hub = FakeHub({"org/fasttext": {"model.bin": b"\xba\x16\x4f\x2f" + bytes(64), "README.md": b"# vectors"}})
+    point_at(monkeypatch, hub.endpoint)
+    try:
+        code, _, err = run_audit(capsys, "org/fasttext")
+    finally:
+        hub.close()
+    assert "a CTranslate2 model.bin" in one_error_line(code, err) and hub.content_fetched() == set()

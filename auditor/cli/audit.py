@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="audit", description="Find the tokens of a language model's head that can never be its "
                                                "top prediction, and prove every verdict.",
                      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", help="a checkpoint file (safetensors, a torch .bin/.pt, .npy/.npz, GGUF or ONNX, "
-                                     "recognised by its contents), a model folder, or a model on the Hugging Face Hub: org/name "
+    parser.add_argument("path", help="a checkpoint file (safetensors, a torch .bin/.pt, .npy/.npz, GGUF, ONNX, "
+                                     "TensorFlow Lite, a CTranslate2 model.bin or a Kaldi nnet3 final.mdl, recognised "
+                                     "by its contents), a model folder, or a model on the Hugging Face Hub: org/name "
                                      "or org/name@revision (needs auditor[hub]; only the files the head needs are "
                                      "fetched, the cache first)")
     add_head_options(parser, "the head's weight tensor (default: detected), or A@B for the head A @ B (a name ending "

@@ -3,8 +3,10 @@
 Sources: safetensors (single or sharded by model.safetensors.index.json),
 PyTorch state dicts (.bin/.pt/.pth, single or sharded, weights_only; a training
 checkpoint's state dict found inside its wrappers, nested.py), .npy/.npz,
-GGUF (the auditor[gguf] extra) and ONNX (the auditor[onnx] extra: the head found from the graph,
-onnx_head.py), each recognised by its contents (formats.py), whatever its name. A folder may also
+GGUF (the auditor[gguf] extra), ONNX (the auditor[onnx] extra: the head found from the graph,
+onnx_head.py), and the inference formats read without a dependency: CTranslate2's model.bin
+(ctranslate2_model.py), TensorFlow Lite flatbuffers (tflite_model.py) and Kaldi nnet3 models
+(kaldi_model.py); each recognised by its contents (formats.py), whatever its name. A folder may also
 hold config.json (whether the head is tied, the norm's epsilon; config.py) and tokenizer.json or
 vocab.txt (token strings); a character list given with --vocab names the tokens instead.
 A Hub model id is resolved to files in the local cache (hub.py), which are read
@@ -22,13 +24,16 @@ from tqdm import tqdm
 from auditor.errors import InputError
 from auditor.loader import hub
 from auditor.loader.config import read_config
-from auditor.loader.formats import DESCRIPTIONS, WEIGHT_FILES, foreign_format, identify
+from auditor.loader.ctranslate2_model import CTranslate2Store
+from auditor.loader.formats import DESCRIPTIONS, INFERENCE_FILES, WEIGHT_FILES, foreign_format, identify
 from auditor.loader.hub_id import is_hub_id, parse_hub_id
+from auditor.loader.kaldi_model import KaldiStore
 from auditor.loader.naming import choose_head, is_input_embedding
 from auditor.loader.onnx_head import PADDLE_CHARACTERS, OnnxStore, paddle_characters
 from auditor.loader.peft_adapter import load_adapter_head
 from auditor.loader.peft_files import adapter_folder, not_an_adapter
 from auditor.loader.stores import GGUFStore, NumpyStore, SafetensorsStore, TensorInfo, TorchStore, read_index
+from auditor.loader.tflite_model import TfliteStore
 from auditor.loader.tokens import base_vocabulary_size, read_token_strings, read_vocabulary
 from auditor.question.head import FinalNorm, Head
 
@@ -41,6 +46,9 @@ _OPENERS = {
     "npz": lambda path: NumpyStore(path, archive=True),
     "gguf": GGUFStore,
     "onnx": OnnxStore,
+    "ctranslate2": CTranslate2Store,
+    "tflite": TfliteStore,
+    "kaldi": KaldiStore,
 }
 
 
@@ -71,20 +79,30 @@ def open_store(path: Path):
         if (path / filename).is_file():
             return _open_file(path / filename)
     singles = sorted(p for p in path.iterdir() if p.suffix.lower() in (".safetensors", ".gguf"))
-    if not singles:  # an ONNX model only where there is no checkpoint it may have been exported from
-        singles = sorted(p for p in path.iterdir() if p.suffix.lower() == ".onnx")
+    refused = None  # why a model file named as an inference format's could not be taken
+    if not singles:  # an exported model only where there is no checkpoint it may have been exported from
+        for filename in INFERENCE_FILES:
+            if (path / filename).is_file():
+                try:
+                    if identify(path / filename) in ("ctranslate2", "kaldi"):
+                        return _open_file(path / filename)
+                except InputError as error:  # OpenVINO also writes a model.bin: an .onnx beside it may be the model
+                    refused = refused or error
+        singles = sorted(p for p in path.iterdir() if p.suffix.lower() in (".onnx", ".tflite"))
+    if not singles and refused is not None:
+        raise refused
     if len(singles) == 1:
         return _open_file(singles[0])
     _refuse_foreign_folder(path)
-    looked = ", ".join(WEIGHT_FILES)
+    looked = ", ".join(WEIGHT_FILES + INFERENCE_FILES)
     found = f"; it holds {len(singles)} candidate files" if singles else ""
-    raise InputError(f"{path}: no checkpoint found (looked for {looked}, or a single .safetensors, .gguf or .onnx "
-                     f"file){found}")
+    raise InputError(f"{path}: no checkpoint found (looked for {looked}, or a single .safetensors, .gguf, .onnx "
+                     f"or .tflite file){found}")
 
 
 def _refuse_foreign_folder(folder: Path) -> None:
-    """Say so when a folder with no checkpoint holds another framework's model (a CTranslate2 model.bin,
-    a SavedModel's saved_model.pb): that is more useful than "no checkpoint found"."""
+    """Say so when a folder with no checkpoint holds another framework's model (a SavedModel's saved_model.pb,
+    a Keras .h5): that is more useful than "no checkpoint found"."""
     files = sorted(p for p in folder.iterdir() if p.is_file())
     for path in files[:_FOLDER_SCAN_LIMIT]:
         foreign = foreign_format(path)
@@ -193,11 +211,12 @@ _TRAINER_CHECKPOINT = re.compile(r"checkpoint-([0-9]+)")
 
 
 def has_own_checkpoint(path) -> bool:
-    """Whether a folder holds a checkpoint of its own (a weights file, or a single .safetensors, .gguf or .onnx
-    file, or a PEFT adapter's weights): a Trainer's output folder after ``save_model``, for one."""
+    """Whether a folder holds a checkpoint of its own (a weights file, or a single .safetensors, .gguf, .onnx or
+    .tflite file, an inference format's model file, or a PEFT adapter's weights): a Trainer's output folder after
+    ``save_model``, for one."""
     path = Path(path)
-    return path.is_dir() and (any((path / name).is_file() for name in WEIGHT_FILES) or any(
-        p.suffix.lower() in (".safetensors", ".gguf", ".onnx") for p in path.iterdir() if p.is_file()))
+    return path.is_dir() and (any((path / name).is_file() for name in WEIGHT_FILES + INFERENCE_FILES) or any(
+        p.suffix.lower() in (".safetensors", ".gguf", ".onnx", ".tflite") for p in path.iterdir() if p.is_file()))
 
 
 def trainer_checkpoints(path, with_own: bool = False) -> list[tuple[int, Path]]:
@@ -248,7 +267,7 @@ def _read_head(path: Path, weight: str | None, bias: str | None, progress: bool,
     named by the strings of ``vocabulary`` (a --vocab file and its offset) when given."""
     store = open_store(path) if store is None else store
     folder = path if path.is_dir() else path.parent
-    if isinstance(store, OnnxStore):  # found from the graph, not by the tensors' names
+    if hasattr(store, "read_head"):  # ONNX and the inference formats: found from the model's structure
         head = store.read_head(path, weight, bias)
         _name_tokens(head, store, folder, vocabulary)
         return head
@@ -299,6 +318,11 @@ def _name_tokens(head: Head, store, folder: Path, vocabulary: tuple[Path, int] |
         tokens = store.metadata("tokenizer.ggml.tokens")
         if isinstance(tokens, list):
             head.tokens, head.token_source = tokens, "tokenizer.ggml.tokens"
+    elif hasattr(store, "token_strings"):  # the inference formats' own vocabulary, labels or names
+        head.tokens, head.token_source, notes = store.token_strings(head.shape[0])
+        head.notes += notes
+        if head.tokens is not None:
+            return
     elif isinstance(store, OnnxStore) and store.metadata(PADDLE_CHARACTERS) is not None:
         head.tokens, note = paddle_characters(store.metadata(PADDLE_CHARACTERS), head.shape[0])
         head.notes.append(note)

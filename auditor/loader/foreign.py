@@ -9,7 +9,6 @@ not to claim a checkpoint the auditor does read.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 class Foreign:
     """A known format the auditor does not read."""
 
-    what: str  # "a CTranslate2 model (WhisperSpec)"
+    what: str  # "a TensorFlow SavedModel"
     advice: str  # what to audit instead, one clause
 
 
@@ -28,8 +27,6 @@ _KERAS = ("audit the PyTorch or safetensors checkpoint of the same model, or sav
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 # llama.cpp and whisper.cpp before GGUF: a little-endian uint32 magic.
 _GGML_MAGICS = {b"lmgg": "ggml", b"fmgg": "ggmf", b"tjgg": "ggjt", b"algg": "ggla"}
-# CTranslate2 spec names are Python class names, all ending in "Spec" (WhisperSpec, TransformerDecoderSpec, ...).
-_SPEC_NAME = re.compile(rb"[A-Z][A-Za-z0-9_]{0,120}Spec")
 
 
 def recognise(head: bytes, size: int) -> Foreign | None:
@@ -63,35 +60,12 @@ def _hdf5(head: bytes, size: int) -> Foreign | None:
     return None
 
 
-def _tflite(head: bytes, size: int) -> Foreign | None:
-    # A FlatBuffer: a uint32 root offset, then the file identifier.
-    if head[4:8] == b"TFL3":
-        return Foreign("a TensorFlow Lite model", f"{_FROM_SOURCE} (TensorFlow Lite weights are often quantised)")
-    return None
-
-
 def _ggml(head: bytes, size: int) -> Foreign | None:
     magic = _GGML_MAGICS.get(head[:4])
     if magic is None:
         return None
     return Foreign(f"a {magic} file from llama.cpp or whisper.cpp before GGUF",
                    "convert it to GGUF with llama.cpp's conversion script and audit the .gguf, or " + _FROM_SOURCE)
-
-
-def _ctranslate2(head: bytes, size: int) -> Foreign | None:
-    # model.bin: a uint32 binary version (6 today; version 1 had no spec name), then the spec name,
-    # written as a uint16 length that counts a trailing NUL. A one-byte length is accepted too: the
-    # spec name ending in "Spec" right after the version is what makes the file unmistakable.
-    version = int.from_bytes(head[:4], "little")
-    if not 2 <= version <= 64:
-        return None
-    for start in (6, 5):  # after a two-byte length, or a one-byte one
-        name = _SPEC_NAME.match(head, start)
-        length = int.from_bytes(head[4:start], "little")
-        if name and length in (len(name.group()), len(name.group()) + 1):
-            return Foreign(f"a CTranslate2 model ({name.group().decode()})",
-                           f"{_FROM_SOURCE} (CTranslate2 may have quantised its weights)")
-    return None
 
 
 def varint(data: bytes, at: int) -> tuple[int, int] | None:
@@ -147,4 +121,4 @@ def _flax_msgpack(head: bytes, size: int) -> Foreign | None:
 
 
 _RECOGNISERS: tuple[Callable[[bytes, int], Foreign | None], ...] = (
-    _hdf5, _tflite, _ggml, _ctranslate2, _saved_model, _flax_msgpack)
+    _hdf5, _ggml, _saved_model, _flax_msgpack)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zipfile
 from pathlib import Path
 
@@ -22,25 +23,38 @@ SNIFF_BYTES = 1024
 # the checkpoint of a model folder (local or on the Hub), in the order they are looked for
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
                 "pytorch_model.bin")
+# An inference format's model file, which a folder (local or on the Hub) is read from where it holds no checkpoint:
+# CTranslate2's model.bin, a Kaldi recipe's final.mdl, Vosk's am/final.mdl. Taken by its contents: OpenVINO also
+# writes a model.bin.
+INFERENCE_FILES = ("model.bin", "final.mdl", "am/final.mdl")
 # a PEFT adapter's folder (local or on the Hub), as peft's save_pretrained writes it: its configuration, and its
 # weights in the order they are looked for
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # The formats the stores read: safetensors, a torch.save zip, a pickle (a legacy torch.save, read with
-# weights_only), numpy's .npy and .npz, GGUF, an ONNX model, and a shard index (JSON with a weight_map).
+# weights_only), numpy's .npy and .npz, GGUF, an ONNX model, a shard index (JSON with a weight_map), and the
+# inference formats: a CTranslate2 model.bin, a TensorFlow Lite flatbuffer, a Kaldi nnet3 model.
 DESCRIPTIONS = {"safetensors": "a safetensors file", "torch-zip": "a PyTorch checkpoint (zip)",
                 "pickle": "a pickle (a legacy PyTorch checkpoint, or any other)", "npy": "an .npy array",
-                "npz": "an .npz archive", "gguf": "a GGUF file", "onnx": "an ONNX model", "index": "a shard index"}
+                "npz": "an .npz archive", "gguf": "a GGUF file", "onnx": "an ONNX model", "index": "a shard index",
+                "ctranslate2": "a CTranslate2 model", "tflite": "a TensorFlow Lite model",
+                "kaldi": "a Kaldi nnet3 model"}
 READABLE = tuple(DESCRIPTIONS)
 
 _MAX_SAFETENSORS_HEADER = 100_000_000  # the limit the safetensors library itself enforces
 _MAX_INDEX_BYTES = 64 << 20
 _ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")  # a local file header; an empty archive's end record
 _PICKLE_PROTOCOLS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # torch.save's legacy format uses 2
-_EXPECTED = "expected safetensors, a torch .bin/.pt, .npy/.npz, .gguf or .onnx"
+_EXPECTED = ("expected safetensors, a torch .bin/.pt, .npy/.npz, .gguf, .onnx, .tflite, a CTranslate2 model.bin "
+             "or a Kaldi nnet3 model")
 _NAMED_LIKE = {".safetensors": "a safetensors file", ".gguf": "a GGUF file", ".npy": "an .npy file",
                ".npz": "an .npz archive", ".pt": "a PyTorch checkpoint", ".pth": "a PyTorch checkpoint",
                ".ckpt": "a PyTorch checkpoint"}
+# CTranslate2 spec names are Python class names, all ending in "Spec" (WhisperSpec, TransformerDecoderSpec, ...).
+_SPEC_NAME = re.compile(rb"[A-Z][A-Za-z0-9_]{0,120}Spec")
+# a binary Kaldi file: "\0B", then a final.mdl's transition model or a raw network's first token
+_KALDI_STARTS = (b"\x00B<TransitionModel> ", b"\x00B<Nnet3> ")
+_KALDI_TEXT_STARTS = ("<TransitionModel>", "<Nnet3>")
 _ONNX_WIRE_TYPES = {2: 2, 3: 2, 4: 2, 5: 0, 6: 2, 7: 2, 8: 2, 14: 2, 20: 2, 25: 2}  # ModelProto field -> wire type
 
 
@@ -111,7 +125,28 @@ def _readable_magic(path: Path, head: bytes, size: int) -> str | None:
         return "npy"
     if head[:2] in _PICKLE_PROTOCOLS:
         return "pickle"
+    if head[4:8] == b"TFL3":  # a FlatBuffer: a uint32 root offset, then the file identifier
+        return "tflite"
+    if head.startswith(_KALDI_STARTS):
+        return "kaldi"
+    if _is_ctranslate2(head):
+        return "ctranslate2"
     return None
+
+
+def _is_ctranslate2(head: bytes) -> bool:
+    """model.bin: a uint32 binary version (6 today; version 1 had no spec name), then the spec name, written as a
+    uint16 length that counts a trailing NUL. A one-byte length is taken too (the reader then says the file is
+    damaged): the spec name ending in "Spec" right after the version is what makes the file unmistakable."""
+    version = int.from_bytes(head[:4], "little")
+    if not 2 <= version <= 64:
+        return False
+    for start in (6, 5):  # after a two-byte length, or a one-byte one
+        name = _SPEC_NAME.match(head, start)
+        length = int.from_bytes(head[4:start], "little")
+        if name and length in (len(name.group()), len(name.group()) + 1):
+            return True
+    return False
 
 
 def _is_onnx(head: bytes, size: int) -> bool:
@@ -209,6 +244,9 @@ def _text_kind(path: Path, text: str, size: int) -> str:
         if _is_index(path, size):
             return "index"
         raise InputError(f"{path}: not a checkpoint (a JSON text file, not a shard index with a weight_map)")
+    if text.startswith(_KALDI_TEXT_STARTS):
+        raise InputError(f"{path}: a Kaldi model in text mode, which the auditor does not read: write it in binary "
+                         "with nnet3-am-copy --binary=true (nnet3-copy for a raw network) and audit that")
     first = text.strip().splitlines()[0][:30] if text.strip() else ""
     begins = f" that begins {first!r}" if first else ""
     raise InputError(f"{path}: not a checkpoint (a text file{begins})")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from auditor.errors import InputError
 from auditor.loader.config import read_config
-from auditor.loader.formats import ADAPTER_CONFIG, ADAPTER_WEIGHTS, WEIGHT_FILES
+from auditor.loader.formats import ADAPTER_CONFIG, ADAPTER_WEIGHTS, INFERENCE_FILES, WEIGHT_FILES
 from auditor.loader.hub_errors import first_line, import_hub, network_errors, one_line_errors, progress_bars
 from auditor.loader.hub_files import CachedFiles, HubFiles, NotCached
 from auditor.loader.hub_id import hub_id, is_commit, parse_hub_id
@@ -36,6 +36,10 @@ _SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.")
 SHARD_INDEXES = {"model.safetensors.index.json": SafetensorsStore, "pytorch_model.bin.index.json": TorchStore}
 # Both are fetched when present: which one gives the strings depends on whether tokenizers is installed.
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
+# the files that name an inference format's rows (formats.INFERENCE_FILES: faster-whisper's repositories hold a
+# CTranslate2 model.bin)
+INFERENCE_NAMES = ("vocabulary.json", "vocabulary.txt", "target_vocabulary.json", "target_vocabulary.txt",
+                   "shared_vocabulary.json", "shared_vocabulary.txt", "phones.txt", "graph/phones.txt")
 
 _OFFLINE = "HF_HUB_OFFLINE=1 forbids fetching it (unset HF_HUB_OFFLINE to fetch)"
 
@@ -129,7 +133,7 @@ def gather(source, label: str, weight, bias, need_norm: bool) -> HubModel:
     weights = _weights_file(source, label)
     config = source.get("config.json") if "config.json" in source.files else None
     if not weights.lower().endswith(".gguf"):  # a GGUF file carries its own tokens
-        for name in TOKENIZER_FILES:
+        for name in TOKENIZER_FILES + (INFERENCE_NAMES if weights in INFERENCE_FILES else ()):
             if name in source.files:
                 source.get(name)
     if weights not in SHARD_INDEXES:
@@ -169,6 +173,10 @@ def _weights_file(source, label: str) -> str:
         if name in source.files:
             return name
     singles = [f for f in source.files if "/" not in f and f.lower().endswith((".safetensors", ".gguf"))]
+    if not singles:  # an inference format only where there is no checkpoint it may have been converted from
+        inference = [name for name in INFERENCE_FILES if name in source.files
+                     and (name != "model.bin" or _is_ctranslate2_repository(source.files))]
+        singles = inference[:1] or [f for f in source.files if "/" not in f and f.lower().endswith(".tflite")]
     if not source.complete:
         # A cache holds what was fetched, not the repository's list: a shard there (an interrupted download,
         # say) is one part of a sharded checkpoint whose index is not cached, never a model in a single file.
@@ -184,7 +192,16 @@ def _weights_file(source, label: str) -> str:
         raise InputError(f"{label}: no checkpoint {source.where} (looked for {looked}), and {len(singles)} "
                          f"candidate files ({', '.join(sorted(singles)[:4])}, ...): fetch the one to audit "
                          f"(hf download {source.repo_id} FILE) and audit that file")
-    raise source.absent(f"a checkpoint (looked for {looked}, or a single .safetensors or .gguf file)")
+    raise source.absent(f"a checkpoint (looked for {looked}, a single .safetensors or .gguf file, a CTranslate2 "
+                        f"model.bin, a Kaldi final.mdl or a single .tflite file)")
+
+
+def _is_ctranslate2_repository(files) -> bool:
+    """Whether a model.bin is CTranslate2's, from the repository's listing, before fetching it whole: its
+    converters write config.json and a vocabulary file beside it (other frameworks' model.bin, fastText's or
+    OpenVINO's, come without them)."""
+    return "config.json" in files and any(name.endswith(("vocabulary.json", "vocabulary.txt"))
+                                          for name in files if "/" not in name)
 
 
 def _choose_from_headers(source, weight_map, candidates, weight, bias, tie, label) -> HeadNames:

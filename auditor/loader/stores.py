@@ -9,6 +9,7 @@ and plain containers, so a malicious file is rejected rather than executed.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import warnings
@@ -65,6 +66,19 @@ class SafetensorsStore:
                 return f.get_tensor(name)
         except (SafetensorError, OSError) as error:
             raise InputError(f"{path}: cannot read tensor {name!r} ({_first_line(error)})") from None
+
+
+def map_file(path: Path, what: str) -> mmap.mmap | bytes:
+    """The file at ``path`` mapped read-only (b"" when it is empty, which mmap cannot map): the readers of the
+    inference formats take only the bytes they need from it. ``what`` names the format in the error: InputError,
+    one line, when the file cannot be opened."""
+    try:
+        with open(path, "rb") as stream:
+            if os.fstat(stream.fileno()).st_size == 0:
+                return b""
+            return mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as error:
+        raise InputError(f"{path}: cannot read the {what} ({getattr(error, 'strerror', None) or error})") from None
 
 
 def _first_line(error: BaseException) -> str:
