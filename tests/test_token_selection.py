@@ -43,16 +43,35 @@ def test_added_takes_the_ids_past_the_tokenizer_models_own_vocabulary():
     assert parse_token_ids("added,0", 40, _head(base_vocab=38)) == [0, 38, 39]
     with pytest.raises(InputError, match="needs the model's tokenizer.json"):
         parse_token_ids("added", 40, _head())
-    with pytest.raises(InputError, match="no token was added"):
-        parse_token_ids("added", 40, _head(base_vocab=40))
+    grown_not = _head(base_vocab=40)  # nothing was added: no id, and a note, not an error
+    assert parse_token_ids("added", 40, grown_not) == []
+    assert any("no token was added" in note for note in grown_not.notes)
 
 
 def test_new_takes_the_ids_past_the_baselines_vocabulary():
     assert parse_token_ids("new", 40, _head(), _Baseline(37)) == [37, 38, 39]
     with pytest.raises(InputError, match="needs --baseline"):
         parse_token_ids("new", 40, _head())
-    with pytest.raises(InputError, match="no id is new"):
-        parse_token_ids("new", 40, _head(), _Baseline(40))
+    same = _head()
+    assert parse_token_ids("new", 40, same, _Baseline(40)) == []
+    assert any("no id is new" in note for note in same.notes)
+
+
+def test_a_gate_on_added_tokens_passes_a_model_that_added_none(tmp_path):
+    """The same CI step on every model: one that added no token decides nothing, fails nothing, and says so."""
+    folder = _resized_folder(tmp_path)
+    done = _audit(folder, "--tokens", "added,new", "--format", "json", "--quiet")  # without a baseline: refused
+    assert done.returncode == 2 and "needs --baseline" in done.stderr
+    W = np.random.default_rng(1).standard_normal((32, 8)).astype(np.float32)
+    save_file({"lm_head.weight": W}, str(folder / "model.safetensors"))  # the tokenizer's own 32 tokens only
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["added_tokens"] = []
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    done = _audit(folder, "--tokens", "added", "--format", "json", "--quiet")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["summary"]["undecided"] == 32 and report["findings"] == []
+    assert any("no token was added" in note for note in report["notes"])
 
 
 def test_token_strings_name_tokens_and_quotes_tell_strings_from_ids():
@@ -78,6 +97,16 @@ def test_allow_lists_take_id_ranges(tmp_path):
     path.write_text("9-3\n", encoding="utf-8")
     with pytest.raises(InputError, match="runs backwards"):
         AllowList.read(path)
+
+
+def test_allow_lists_take_ranges_open_at_the_end(tmp_path):
+    path = tmp_path / "allow.txt"
+    path.write_text("300-   # every reserved row from 300 on\n", encoding="utf-8")
+    allow = AllowList.read(path)
+    assert allow.allows(300, None) and allow.allows(10 ** 6, None) and not allow.allows(299, None)
+    assert allow.strings == set()  # not a token string "300-"
+    assert allow.unused([], 200) == ["allow-list entry 300- is not a range of token ids of this head (0..199)"]
+    assert allow.unused([], 400) == ["allow-list entry 300- matches no finding"]
 
 
 def _resized_folder(tmp_path: Path) -> Path:

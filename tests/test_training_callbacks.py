@@ -107,7 +107,7 @@ def test_audit_model_reads_the_live_head_and_refuses_what_it_cannot(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_lightning_callback_logs_through_the_trainers_logger_and_fills_each_checkpoint(tmp_path):
+def test_the_lightning_callback_logs_through_the_trainers_logger_and_fills_each_checkpoint(tmp_path, caplog):
     lightning = pytest.importorskip("lightning")
     from auditor.integrations.lightning import ArgmaxabilityCallback
 
@@ -136,7 +136,10 @@ def test_the_lightning_callback_logs_through_the_trainers_logger_and_fills_each_
     trainer = lightning.Trainer(max_epochs=5, val_check_interval=4, logger=sink, enable_progress_bar=False,
                                 callbacks=[ArgmaxabilityCallback(tokens="added", tokenizer=tokenizer), checkpoints],
                                 accelerator="cpu", enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(Module(), loader, loader)
+    with caplog.at_level("WARNING", logger="auditor.integrations.lightning"):
+        trainer.fit(Module(), loader, loader)
+    # without stop_at_end the run still ends saying which watched token it can never produce
+    assert any("at the end of training" in r.getMessage() and "<|never|>" in r.getMessage() for r in caplog.records)
 
     sink.save()
     with open(f"{sink.log_dir}/metrics.csv", encoding="utf-8") as file:
@@ -163,3 +166,54 @@ def test_a_missing_extra_is_named_in_one_message(name):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 1
     assert f"ImportError: auditor.integrations.{name} needs {name}: pip install 'auditor[{name}]'" in done.stderr
+
+
+class _FakeHubApi:
+    """What Trainer asks of the Hub when it pushes (create_repo, upload_folder), recorded and answered at once."""
+
+    def __init__(self):
+        self.uploads = []
+
+    def create_repo(self, repo_id, **kwargs):
+        return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    def upload_folder(self, **kwargs):
+        from concurrent.futures import Future
+
+        self.uploads.append(kwargs["commit_message"])
+        done = Future()
+        done.set_result(None)
+        return done if kwargs.get("run_as_future") else None
+
+
+@pytest.mark.slow
+def test_checkpoint_pushes_warn_and_only_the_final_push_is_gated(tmp_path, monkeypatch, caplog):
+    """push_to_hub=True with hub_strategy="every_save": the Trainer pushes at every checkpoint. Those pushes warn
+    while <|never|> cannot win; training runs to its end and says so; the final push_to_hub() raises."""
+    import transformers.trainer
+
+    from auditor.integrations.model import UnproducibleTokensError
+    from auditor.integrations.transformers import ArgmaxabilityCallback
+
+    hub = _FakeHubApi()
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer = tiny_model_and_tokenizer()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8,
+                                          num_train_epochs=3, learning_rate=3e-3, save_steps=8, report_to=[],
+                                          use_cpu=True, disable_tqdm=True, push_to_hub=True,
+                                          hub_model_id="org/tiny", hub_strategy="every_save")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Texts(tokenizer), processing_class=tokenizer)
+    trainer.add_callback(ArgmaxabilityCallback(trainer, tokens="added"))
+    with caplog.at_level("WARNING", logger="auditor.integrations.transformers"):
+        trainer.train()  # completes: checkpoint pushes do not stop it
+    checkpoint_pushes = [message for message in hub.uploads if message.startswith("Training in progress")]
+    assert len(checkpoint_pushes) >= 2 and trainer.state.global_step == 24
+    warnings = [record.getMessage() for record in caplog.records]
+    assert sum("at the checkpoint push of step" in message and "<|never|>" in message for message in warnings) >= 2
+    assert any("at the end of training" in message and "<|never|>" in message for message in warnings)
+    assert not any("stopped" in message for message in warnings)
+    uploads = len(hub.uploads)
+    with pytest.raises(UnproducibleTokensError, match="stopped before the push to the Hub.*<\\|never\\|>"):
+        trainer.push_to_hub()
+    assert len(hub.uploads) == uploads  # nothing was pushed

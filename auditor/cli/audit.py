@@ -148,18 +148,23 @@ def parse_token_ids(text: str, n: int, head=None, baseline=None) -> list[int]:
     """``--tokens``: comma-separated ids (``0-99,1000,2000-``: an open range runs to the last row), ``added``
     (the ids at or past the tokenizer model's own vocabulary, and the rows past the tokenizer's length),
     ``new`` (the ids past the baseline's vocabulary) and token strings (JSON-quoted where they look like
-    numbers or hold a comma: ``"2",<|im_end|>``). Returns sorted ids without repeats."""
+    numbers or hold a comma: ``"2",<|im_end|>``). Returns sorted ids without repeats. ``added`` or ``new`` where
+    no token was added is no mistake (a gate run on every model, whether or not it grew): it adds no id, and a
+    note on ``head`` says so; the audit then decides nothing and fails nothing."""
     ids: set[int] = set()
+    kinds = 0  # parts that are "added" or "new": they may stand for no id at all
     for part, quoted in _token_parts(text):
         if quoted or not re.fullmatch(r"[0-9]+(-[0-9]*)?", part):
             if not quoted and part == "added":
+                kinds += 1
                 ids.update(_added_ids(head, n))
             elif not quoted and part == "new":
+                kinds += 1
                 if baseline is None:
                     raise InputError("--tokens new needs --baseline REPORT (the ids past its vocabulary are new)")
                 if baseline.n_tokens >= n:
-                    raise InputError(f"--tokens new: the baseline has {baseline.n_tokens} tokens and this head "
-                                     f"{n}: no id is new")
+                    head.notes.append(f"--tokens new: the baseline has {baseline.n_tokens} tokens and this head "
+                                      f"{n}: no id is new, so no token is decided")
                 ids.update(range(baseline.n_tokens, n))
             else:
                 ids.update(_ids_of_string(part, head))
@@ -172,7 +177,7 @@ def parse_token_ids(text: str, n: int, head=None, baseline=None) -> list[int]:
         if first < 0 or last >= n:
             raise InputError(f"--tokens: {part!r} is outside the vocabulary 0..{n - 1}")
         ids.update(range(first, last + 1))
-    if not ids:
+    if not ids and not kinds:
         raise InputError("--tokens: no token ids given")
     return sorted(ids)
 
@@ -213,8 +218,8 @@ def _added_ids(head, n: int) -> range:
         raise InputError("--tokens added needs the model's tokenizer.json (its own vocabulary tells the added "
                          "tokens apart) or token strings; give ids instead, e.g. --tokens 50257-")
     if first >= n:
-        raise InputError(f"--tokens added: the tokenizer's own vocabulary has {first} tokens and the head {n} "
-                         f"rows: no token was added")
+        head.notes.append(f"--tokens added: the tokenizer's own vocabulary has {first} tokens and the head {n} "
+                          f"rows: no token was added, so no token is decided")
     return range(first, n)
 
 

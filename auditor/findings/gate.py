@@ -21,15 +21,15 @@ class AllowList:
     """Token ids and exact token strings whose findings are expected.
 
     One entry per line; ``#`` starts a comment. A line that is an integer is a
-    token id, and one like ``2002-2047`` a range of ids (both ends included);
-    anything else is a token string, taken literally after trimming the line,
+    token id, one like ``2002-2047`` a range of ids (both ends included), and one
+    like ``128000-`` every id from there on; anything else is a token string, taken literally after trimming the line,
     or written as a JSON string ("123", "2002-2047", " leading space") to say
     exactly which string is meant.
     """
 
     ids: set[int] = field(default_factory=set)
     strings: set[str] = field(default_factory=set)
-    ranges: list[tuple[int, int]] = field(default_factory=list)  # (first, last), both included
+    ranges: list[tuple[int, int | None]] = field(default_factory=list)  # (first, last), both included; last None: on
 
     @classmethod
     def read(cls, path: Path) -> AllowList:
@@ -57,9 +57,9 @@ class AllowList:
                 continue
             if re.fullmatch(r"[0-9]+", line):
                 allow.ids.add(int(line))
-            elif (bounds := re.fullmatch(r"([0-9]+)\s*-\s*([0-9]+)", line)) is not None:
-                first, last = int(bounds[1]), int(bounds[2])
-                if first > last:
+            elif (bounds := re.fullmatch(r"([0-9]+)\s*-\s*([0-9]*)", line)) is not None:
+                first, last = int(bounds[1]), (int(bounds[2]) if bounds[2] else None)
+                if last is not None and first > last:
                     raise InputError(f"{path}:{number}: the range {line} runs backwards")
                 allow.ranges.append((first, last))
             else:
@@ -67,7 +67,7 @@ class AllowList:
         return allow
 
     def allows(self, k: int, token: str | None) -> bool:
-        return (k in self.ids or any(first <= k <= last for first, last in self.ranges)
+        return (k in self.ids or any(_within(k, first, last) for first, last in self.ranges)
                 or (token is not None and token in self.strings))
 
     def unused(self, findings: list[Finding], n_tokens: int, undecided: set[int] = frozenset()) -> list[str]:
@@ -81,12 +81,17 @@ class AllowList:
         warnings += [f"allow-list entry {json.dumps(t, ensure_ascii=False)} matches no finding"
                      for t in sorted(self.strings - strings)]
         for first, last in self.ranges:
+            entry = f"{first}-{'' if last is None else last}"
             if first >= n_tokens:
-                warnings.append(f"allow-list entry {first}-{last} is not a range of token ids of this head "
+                warnings.append(f"allow-list entry {entry} is not a range of token ids of this head "
                                 f"(0..{n_tokens - 1})")
-            elif not any(first <= k <= last for k in ids):
-                warnings.append(f"allow-list entry {first}-{last} matches no finding")
+            elif not any(_within(k, first, last) for k in ids):
+                warnings.append(f"allow-list entry {entry} matches no finding")
         return warnings
+
+
+def _within(k: int, first: int, last: int | None) -> bool:
+    return first <= k and (last is None or k <= last)
 
 
 @dataclass

@@ -8,8 +8,9 @@ LightningModule, or on its ``model`` attribute, as a transformers model wrapped 
 it; or the module ``head`` names) for the watched tokens, under torch.no_grad on the device of the weights,
 and logs ``argmaxability/unargmaxable``, ``argmaxability/never_emitted`` and ``argmaxability/min_margin``
 through ``trainer.logger`` (``LightningModule.log`` is refused in these hooks). Each checkpoint Lightning
-saves carries the latest JSON report under the key ``"argmaxability"``. At the end of training, when
-``stop_at_end``, it raises ``UnproducibleTokensError`` naming the watched tokens that cannot be produced.
+saves carries the latest JSON report under the key ``"argmaxability"``. At the end of training it names the
+watched tokens that cannot be produced: in a warning, or, when ``stop_at_end``, by raising
+``UnproducibleTokensError``.
 Only the global rank 0 audits.
 """
 
@@ -72,8 +73,11 @@ class ArgmaxabilityCallback(lightning.Callback):
             checkpoint["argmaxability"] = json.loads(FORMATS["json"](self.last))
 
     def on_train_end(self, trainer, pl_module):
-        if not self.stop_at_end:
-            return
+        # said whatever stop_at_end is: a run that ends with watched tokens it can never produce should not end
+        # silently
         result = self._audit(trainer, pl_module)
-        if result is not None and result.failing:
+        if result is None or not result.failing:
+            return
+        if self.stop_at_end:
             raise UnproducibleTokensError(unproducible_message(result, "at the end of training"))
+        logger.warning(unproducible_message(result, "at the end of training", stopped=False))

@@ -109,11 +109,14 @@ class UnproducibleTokensError(RuntimeError):
     """Watched tokens that the model can never produce, raised where a training callback is told to stop."""
 
 
-def unproducible_message(result: GateResult, where: str) -> str:
+def unproducible_message(result: GateResult, where: str, stopped: bool = True) -> str:
+    """What a gate says of the watched tokens that cannot be produced, ``where`` it looked: "stopped" when it stops
+    the run, a plain statement when it only warns."""
     named = ", ".join(f"{f.id} {json.dumps(f.token, ensure_ascii=False)}" if f.token is not None else str(f.id)
                       for f in result.failing[:20])
     more = f" and {len(result.failing) - 20} more" if len(result.failing) > 20 else ""
-    return (f"argmaxability: stopped {where}: the model can never produce {len(result.failing)} watched "
+    return (f"argmaxability: {'stopped ' if stopped else ''}{where}: the model can never produce "
+            f"{len(result.failing)} watched "
             f"token(s): {named}{more}; {result.next_steps[0] if result.next_steps else ''}")
 
 

@@ -11,9 +11,14 @@ tokens cannot win, and how many greedy decoding never produces) and ``argmaxabil
 smallest lead of a watched token, 0 while one cannot win) through ``trainer.log``, so they reach
 TensorBoard, W&B or whatever the Trainer reports to; given no trainer it appends them to
 ``state.log_history``. At a save it writes the JSON report, as ``audit --format json`` writes it, into the
-checkpoint folder (``checkpoint-N/argmaxability.json``). Before a push to the Hub (``on_push_begin``), and
-at the end of training when ``stop_at_end``, it raises ``UnproducibleTokensError`` naming the watched
-tokens that cannot be produced. Under DDP only the main process audits and writes; a head sharded by FSDP or
+checkpoint folder (``checkpoint-N/argmaxability.json``).
+
+The gate is the final push: ``on_push_begin`` outside training (``trainer.push_to_hub()``, also through
+``save_model`` with ``push_to_hub=True``) raises ``UnproducibleTokensError`` naming the watched tokens that
+cannot be produced. The pushes the Trainer makes at its checkpoints during training (``hub_strategy``
+``every_save``, ``checkpoint``, ``all_checkpoints``) only warn: a token that cannot win yet at step 10 may win
+by step 30. At the end of training it says what it found, in a warning when a watched token cannot be
+produced, and raises only when ``stop_at_end``. Under DDP only the main process audits and writes; a head sharded by FSDP or
 ZeRO-3 is reported in one warning, once, with what to do instead.
 """
 
@@ -53,6 +58,7 @@ class ArgmaxabilityCallback(TrainerCallback):
         self.last = None  # the latest GateResult
         self._step = None  # the step self.last was audited at
         self._warned = False
+        self._training = False  # between on_train_begin and on_train_end: a push is a checkpoint's
 
     def _audit(self, state, model, processing_class):
         if not state.is_world_process_zero or model is None:
@@ -88,16 +94,26 @@ class ArgmaxabilityCallback(TrainerCallback):
             with open(os.path.join(folder, self.report_name), "w", encoding="utf-8") as file:
                 file.write(FORMATS["json"](result))
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._training = True
+
     def on_push_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-        if self.stop_on_push:
-            self._stop_if_unproducible(state, model, processing_class, "before the push to the Hub")
+        if self._training:  # a checkpoint's push: the run goes on, and the tokens may yet learn to win
+            self._check(state, model, processing_class, f"at the checkpoint push of step {state.global_step}",
+                        stop=False)
+        elif self.stop_on_push:
+            self._check(state, model, processing_class, "before the push to the Hub", stop=True)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-        if self.stop_at_end:
-            self._stop_if_unproducible(state, model, processing_class, "at the end of training")
+        self._training = False
+        self._check(state, model, processing_class, "at the end of training", stop=self.stop_at_end)
 
-    def _stop_if_unproducible(self, state, model, processing_class, where: str) -> None:
+    def _check(self, state, model, processing_class, where: str, stop: bool) -> None:
+        """Audit the weights as they are now; with findings that fail, raise (``stop``) or warn."""
         self._step = None  # the weights may have changed since the last audit
         result = self._audit(state, model, processing_class)
-        if result is not None and result.failing:
+        if result is None or not result.failing:
+            return
+        if stop:
             raise UnproducibleTokensError(unproducible_message(result, where))
+        logger.warning(unproducible_message(result, where, stopped=False))
