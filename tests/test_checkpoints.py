@@ -78,12 +78,12 @@ def test_resized_copy_fails_with_exactly_the_added_and_copied_rows(resized_repor
 def test_resized_findings_are_explained_and_certified_on_at_most_d_plus_one_rows(resized_report):
     report, certificates, _ = resized_report
     by_id = {f["id"]: f for f in report["findings"]}
-    for k in ADDED:  # rows past the tokenizer model's own vocabulary: added, and not trained yet
+    for k in ADDED:  # rows past the tokenizer model's own vocabulary: added, still at the mean
         assert by_id[k]["kind"] == "untrained"
         assert "(where mean initialisation puts new rows)" in by_id[k]["explanation"]  # after the plain words
     assert f"copy of row {COPY_OF} " in by_id[COPY]["explanation"]
     assert f"copied as row {COPY}: they always tie" in by_id[COPY_OF]["explanation"]
-    assert f"4 rows added to the vocabulary and not trained yet: {ADDED[0]}–{ADDED[-1]}" in report["summaries"]
+    assert f"4 rows added to the vocabulary and still at the mean of the rows: {ADDED[0]}–{ADDED[-1]}" in report["summaries"]
     convex = [t["convex"] for t in certificates["tokens"] if t.get("convex")]
     assert len(convex) == len(ADDED)  # the copied pair can win as a group: it has a witness, not weights
     assert max(len(c["indices"]) for c in convex) <= 384 + 1

@@ -82,10 +82,11 @@ def test_every_kind_has_one_next_step_saying_what_people_do(gated):
         assert found[k].next_step == NEXT_STEPS[found[k].kind]
     assert found[7].next_step.startswith("nothing to do for this row: greedy decoding emits it")
     assert found[403].next_step.startswith("re-initialise this row and train it")
-    assert set(NEXT_STEPS) == {"mean", "copy", "shorter copy", "untrained", "padding", "hull", "domain", "reserved",
-                               "undecided", "ceiling"}
-    assert "include the tokens in training targets" in NEXT_STEPS["untrained"]
-    for kind in ("mean", "copy", "shorter copy", "untrained", "hull", "reserved"):
+    assert set(NEXT_STEPS) == {"mean", "copy", "shorter copy", "untrained", "added", "padding", "hull", "domain",
+                               "reserved", "undecided", "ceiling"}
+    for kind in ("untrained", "added"):  # the audit cannot see the data: it never says a target is missing
+        assert "check" in NEXT_STEPS[kind] and "include the tokens" not in NEXT_STEPS[kind]
+    for kind in ("mean", "copy", "shorter copy", "untrained", "added", "hull", "reserved"):
         assert any(word in NEXT_STEPS[kind] for word in ("trained", "re-initialised", "accepted")), kind
 
 
@@ -179,3 +180,45 @@ def test_a_copy_shorter_only_by_rounding_says_so_and_a_larger_bias_is_no_shorter
         assert "a shorter copy of row 3 't3', by 9.3e-10 of its length" in found[50].explanation
         assert found[51].verdict == "unargmaxable"
         assert (found[51].kind == "shorter copy") == (not raised)
+
+
+def test_rivals_are_rows_that_can_win_and_the_others_are_marked():
+    """A certificate may lean on rows that can never win themselves (padding at the mean): they are named after
+    the rows that can, and marked, so that a finding's rivals are the tokens that actually beat it."""
+    from types import SimpleNamespace
+
+    from auditor.findings.finding import _competitors
+
+    token = SimpleNamespace(convex_indices=np.array([7, 3, 8, 2, 9]),
+                            convex_weights=np.array([0.4, 0.2, 0.2, 0.1, 0.1]))
+    head = Head(weight=np.zeros((10, 2), np.float32), tokens=[f"t{k}" for k in range(10)])
+    rivals = _competitors(head, token, cannot_win={7, 8}, unsettled={9})
+    assert [(c.id, c.can_win) for c in rivals] == [(3, True), (2, True), (9, None), (7, False), (8, False)]
+
+
+def test_a_rival_is_said_to_win_only_where_the_audit_proved_it(rng):
+    """Through the gate on a real report: a rival that is unargmaxable is marked, one this run did not decide
+    (--tokens) has can_win None, the others True."""
+    W = rng.standard_normal((30, 4))
+    W[29] = (W[0] + W[1] + W[2]) / 3
+    report = auditor.audit(W, tokens=[29, 5, 6], progress=False)
+    finding = next(f for f in run_gate(Head(weight=W), report).findings if f.id == 29)
+    verdicts = {k: report.tokens[k].verdict for k in (5, 6, 29)}
+    expected = {k: verdict == "argmaxable" for k, verdict in verdicts.items()}
+    assert finding.competitors and all(c.can_win is expected.get(c.id) for c in finding.competitors)
+    assert any(c.can_win is None for c in finding.competitors)  # a row this run did not decide
+
+
+def test_an_added_row_that_moved_yet_cannot_win_is_told_from_one_still_at_the_mean(rng):
+    """Rows 40 and 41 were added past the tokenizer model's 40 tokens: 40 is still at the base rows' mean, 41 lies
+    halfway between two base rows (inside the hull, far from the mean): trained, yet beaten."""
+    from auditor.findings.explain import NEXT_STEPS
+
+    W = rng.standard_normal((42, 6))
+    W[40] = W[:40].mean(axis=0)
+    W[41] = (W[3] + W[4]) / 2
+    head = Head(weight=W, tokens=[f"t{k}" for k in range(42)], base_vocab=40)
+    found = {f.id: f for f in run_gate(head, auditor.audit(W, progress=False)).findings}
+    assert found[40].kind == "untrained" and "still where mean initialisation put it" in found[40].explanation
+    assert found[41].kind == "added" and "away from where mean initialisation puts new rows" in found[41].explanation
+    assert found[41].next_step == NEXT_STEPS["added"] and "longer" in found[41].next_step

@@ -4,6 +4,7 @@ The browser tests read the DOM after the page's script ran (``--dump-dom``) and 
 when chromium is missing, except in CI (``CI`` set), which must have it.
 """
 
+import json
 import os
 import re
 import shlex
@@ -409,3 +410,13 @@ def test_cjk_token_strings_reach_the_browsers_dom(chromium, tmp_path):
     dom = Dom(browsed.stdout)
     assert dom.body.get("data-ready") == "1" and set(dom.rows) == {5}
     assert "'五'" in browsed.stdout  # decoded as UTF-8 by the browser, not as mojibake
+
+
+def test_the_banner_names_the_failing_tokens(demo_page):
+    """The first thing a reviewer reads says which tokens fail, not only how many."""
+    header = re.search(r'<header class="fails"><h1>[^<]*</h1><p>([^<]*)</p>', demo_page.read_text(encoding="utf-8"))
+    assert header is not None
+    failing = json.loads(subprocess.run([sys.executable, "-m", "auditor", str(DEMO), "--quiet", "--format", "json"],
+                                        capture_output=True, text=True, check=False).stdout)["findings"]
+    named = [f"{f['id']} (no string)" for f in failing if f["failing"]]  # the demo head has no token strings
+    assert 0 < len(named) <= 8 and unescape(header[1]).endswith(": " + ", ".join(named) + ".")

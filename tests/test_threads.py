@@ -1,6 +1,8 @@
 """threads= and --threads N: the count torch uses during an audit, put back afterwards, and stated in the report."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +110,27 @@ def test_the_command_refuses_a_bad_omp_num_threads_in_one_line():
     assert done.returncode == 2 and done.stdout == ""
     assert "audit: error: OMP_NUM_THREADS='none' is not a positive integer" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _openmp_spin_count(policy: str | None) -> str | None:
+    """GOMP_SPINCOUNT as libgomp took it in a fresh process that imports auditor, then torch (OMP_DISPLAY_ENV makes
+    libgomp print its settings when torch loads it); None where torch's OpenMP is not libgomp."""
+    root = Path(__file__).resolve().parent.parent
+    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    env.update(OMP_DISPLAY_ENV="VERBOSE", PYTHONPATH=str(root))
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+    done = subprocess.run([sys.executable, "-c", "import auditor, torch; torch.ones(64) + 1"], env=env,
+                          capture_output=True, text=True, check=True, cwd=root)
+    found = re.search(r"GOMP_SPINCOUNT = '([0-9]+)'", done.stderr)
+    return None if found is None else found[1]
+
+
+def test_torchs_openmp_threads_wait_passively_unless_the_environment_chose():
+    """A spinning thread holds a core a busy neighbour needs (bench/contention.py): after import auditor, torch's
+    libgomp waits without spinning; an OMP_WAIT_POLICY already set is kept."""
+    passive = _openmp_spin_count(None)
+    if passive is None:
+        pytest.skip("torch's OpenMP runtime is not libgomp here")
+    assert passive == "0"
+    assert _openmp_spin_count("ACTIVE") != "0"

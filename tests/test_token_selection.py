@@ -2,6 +2,7 @@
 (past a baseline's), token strings (JSON-quoted where they look like ids); and allow-list ranges."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -163,10 +164,11 @@ def test_added_tokens_that_cannot_win_are_called_untrained_never_rare(tmp_path):
     for finding in added:
         assert finding["kind"] == "untrained", finding
         assert "of the base rows' typical distance from their mean" in finding["explanation"]
-        assert "include the tokens in training targets" in finding["next_step"]
+        assert "trained on data whose targets use them" in finding["next_step"]
         assert "rare or unused" not in finding["next_step"]
     assert "(where mean initialisation puts new rows)" in next(f for f in added if f["id"] == 32)["explanation"]
-    assert any(line.startswith("3 rows added to the vocabulary and not trained yet: 32") for line in report["summaries"])
+    assert any(line.startswith("3 rows added to the vocabulary and still at the mean of the rows: 32")
+               for line in report["summaries"])
     # the padding rows fail only when asked for
     assert {f["id"] for f in json.loads(_audit(folder, "--format", "json", "--quiet", "--fail-on", "padding").stdout)[
         "findings"] if f["failing"]} == set(range(35, 40))
@@ -210,3 +212,15 @@ def test_a_trainer_output_folder_audits_its_latest_checkpoint_and_says_so(tmp_pa
     assert any("its latest checkpoint, checkpoint-200, is audited (2 checkpoint folders" in note
                for note in report["notes"])
     assert report["head"]["path"].endswith("checkpoint-200")
+
+
+def test_padding_rows_are_one_line_unless_the_gate_fails_on_them(tmp_path):
+    """Rows 35-39 pad the head past the tokenizer's length: the text report counts them in one line under the
+    findings that matter, and lists them one by one only with --fail-on padding."""
+    folder = _resized_folder(tmp_path)
+    lines = _audit(folder, "--quiet").stdout.splitlines()
+    listed = {int(line.split()[0]) for line in lines if re.match(r"\s+[0-9]+\s", line)}
+    assert listed == {32, 33, 34}
+    assert any("5 padding rows past the tokenizer's length, listed with --fail-on padding" in line for line in lines)
+    lines = _audit(folder, "--quiet", "--fail-on", "unargmaxable,padding").stdout.splitlines()
+    assert {int(line.split()[0]) for line in lines if re.match(r"\s+[0-9]+\s", line)} == set(range(32, 40))

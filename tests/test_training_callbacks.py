@@ -80,6 +80,8 @@ def test_the_trainer_callback_logs_the_added_tokens_and_writes_a_report_per_chec
     for folder in checkpoints:
         report = json.loads((folder / REPORT_NAME).read_text(encoding="utf-8"))
         assert report["summary"]["n_tokens"] == len(tokenizer)
+        # the head by its path in the model, and the checkpoint the report belongs to
+        assert report["head"]["weight"] == "lm_head.weight" and report["head"]["path"] == str(folder)
         assert {f["id"] for f in report["findings"]} <= {end, never}
     last = json.loads((checkpoints[-1] / REPORT_NAME).read_text(encoding="utf-8"))
     assert {f["id"]: f["verdict"] for f in last["findings"]} == {never: "unargmaxable"}
@@ -186,13 +188,11 @@ class _FakeHubApi:
         return done if kwargs.get("run_as_future") else None
 
 
-@pytest.mark.slow
-def test_checkpoint_pushes_warn_and_only_the_final_push_is_gated(tmp_path, monkeypatch, caplog):
-    """push_to_hub=True with hub_strategy="every_save": the Trainer pushes at every checkpoint. Those pushes warn
-    while <|never|> cannot win; training runs to its end and says so; the final push_to_hub() raises."""
+def pushing_trainer(tmp_path, monkeypatch):
+    """A Trainer with push_to_hub=True and hub_strategy="every_save" (a push at each of its saves, every 8 steps
+    of 24), the Hub faked, and the callback watching the added tokens: (trainer, the fake Hub)."""
     import transformers.trainer
 
-    from auditor.integrations.model import UnproducibleTokensError
     from auditor.integrations.transformers import ArgmaxabilityCallback
 
     hub = _FakeHubApi()
@@ -205,6 +205,16 @@ def test_checkpoint_pushes_warn_and_only_the_final_push_is_gated(tmp_path, monke
                                           hub_model_id="org/tiny", hub_strategy="every_save")
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Texts(tokenizer), processing_class=tokenizer)
     trainer.add_callback(ArgmaxabilityCallback(trainer, tokens="added"))
+    return trainer, hub
+
+
+@pytest.mark.slow
+def test_checkpoint_pushes_warn_and_only_the_final_push_is_gated(tmp_path, monkeypatch, caplog):
+    """push_to_hub=True with hub_strategy="every_save": the Trainer pushes at every checkpoint. Those pushes warn
+    while <|never|> cannot win; training runs to its end and says so; the final push_to_hub() raises."""
+    from auditor.integrations.model import UnproducibleTokensError
+
+    trainer, hub = pushing_trainer(tmp_path, monkeypatch)
     with caplog.at_level("WARNING", logger="auditor.integrations.transformers"):
         trainer.train()  # completes: checkpoint pushes do not stop it
     checkpoint_pushes = [message for message in hub.uploads if message.startswith("Training in progress")]
@@ -217,3 +227,23 @@ def test_checkpoint_pushes_warn_and_only_the_final_push_is_gated(tmp_path, monke
     with pytest.raises(UnproducibleTokensError, match="stopped before the push to the Hub.*<\\|never\\|>"):
         trainer.push_to_hub()
     assert len(hub.uploads) == uploads  # nothing was pushed
+
+
+@pytest.mark.slow
+def test_a_push_after_an_interrupted_run_is_still_gated(tmp_path, monkeypatch):
+    """Training stopped by an error after a checkpoint: the push the user makes next is the final one."""
+    from auditor.integrations.model import UnproducibleTokensError
+
+    class Interrupt(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 10:
+                raise KeyboardInterrupt
+
+    trainer, hub = pushing_trainer(tmp_path, monkeypatch)
+    trainer.add_callback(Interrupt())
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    uploads = len(hub.uploads)
+    with pytest.raises(UnproducibleTokensError, match="stopped before the push to the Hub"):
+        trainer.push_to_hub()
+    assert len(hub.uploads) == uploads

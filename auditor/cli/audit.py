@@ -162,7 +162,7 @@ def parse_token_ids(text: str, n: int, head=None, baseline=None) -> list[int]:
                 kinds += 1
                 if baseline is None:
                     raise InputError("--tokens new needs --baseline REPORT (the ids past its vocabulary are new)")
-                if baseline.n_tokens >= n:
+                if baseline.n_tokens >= n and head is not None:
                     head.notes.append(f"--tokens new: the baseline has {baseline.n_tokens} tokens and this head "
                                       f"{n}: no id is new, so no token is decided")
                 ids.update(range(baseline.n_tokens, n))
@@ -217,7 +217,7 @@ def _added_ids(head, n: int) -> range:
     else:
         raise InputError("--tokens added needs the model's tokenizer.json (its own vocabulary tells the added "
                          "tokens apart) or token strings; give ids instead, e.g. --tokens 50257-")
-    if first >= n:
+    if first >= n:  # head is not None here: without one, first could not be known
         head.notes.append(f"--tokens added: the tokenizer's own vocabulary has {first} tokens and the head {n} "
                           f"rows: no token was added, so no token is decided")
     return range(first, n)

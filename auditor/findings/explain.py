@@ -22,6 +22,13 @@ they amount to, in the terms of the usual causes (the finding's ``kind``):
 - reserved   a padding or reserved token (by its string: ``[PAD]``, ``<pad>``,
              ``[unused7]``, ``<|reserved_special_token_5|>``, ...) that is
              never produced, whichever of the causes above keeps it out;
+- untrained  a token added to the vocabulary (past the tokenizer model's own,
+             or a baseline's) whose row is within MEAN_RADIUS of the base
+             rows' mean: still where mean initialisation put it;
+- added      an added token whose row is farther from that mean (trained, or
+             initialised otherwise: the audit cannot tell which) and still
+             cannot win;
+- padding    a row past the tokenizer's length in a padded vocabulary;
 - undecided  inconclusive, with the bounds found;
 - ceiling    argmaxable, but its probability never exceeds --ceiling P.
 
@@ -63,9 +70,13 @@ NEXT_STEPS = {
                     "lead; usually the rows are trained or re-initialised",
     "padding": "the tokenizer never produces these ids (rows that pad the vocabulary, e.g. pad_to_multiple_of): "
                "nothing to do; they fail the run only with --fail-on padding",
-    "untrained": "the model can never produce these tokens: they were added to the vocabulary and their rows have "
-                 "not been trained; include the tokens in training targets (examples whose labels use them), "
-                 "train, and audit again",
+    "untrained": "the model can never produce these tokens: they were added to the vocabulary and their rows are "
+                 "still where mean initialisation put them; usually they are trained on data whose targets use "
+                 "them (the audit cannot see the data: check that it does), and audited again",
+    "added": "the model can never produce these tokens: they were added to the vocabulary and their rows are no "
+             "longer where mean initialisation puts new rows (training moved them, or they were initialised "
+             "otherwise), yet they cannot win; usually they are trained longer, after a check that the data uses "
+             "the tokens as targets, and audited again",
     "hull": "the model can never produce these tokens, whatever the context: other tokens always score at least "
             "as high; usually these are rare or unused tokens, accepted (--allow) when they are not meant to be "
             "generated, else their rows are trained or re-initialised",
@@ -91,8 +102,8 @@ _TIE_STEPS = {
 def explain(head: Head, report: AuditReport, findings: list[Finding], first_added: int | None = None) -> list[str]:
     """Set ``explanation``, ``kind`` and ``next_step`` on every finding; return the summary lines, one per kind
     (next_steps(findings) gives what to do about each, in the same order). Ids from ``first_added`` on were
-    added to the vocabulary (past a baseline's, or the tokenizer model's own): an unargmaxable one is a row
-    not trained yet, never a rare token."""
+    added to the vocabulary (past a baseline's, or the tokenizer model's own): an unargmaxable one is a row still
+    at the mean (untrained) or one away from it that cannot win (added), never a rare token."""
     if not findings:
         return []
     weight = as_tensor(head.weight, "the weight")
@@ -188,8 +199,16 @@ def _explain_added(finding: Finding, distance: float, padding: bool) -> tuple[st
     if padding:  # past the tokenizer's length: no text names it, so it is reported but fails only when asked
         finding.kind, finding.classes = "padding", ("padding",)
         return "a padding row past the tokenizer's length: no text produces its id", where
-    finding.kind = "untrained"
-    return "never produced: a token added to the vocabulary whose row has not been trained", where
+    if distance <= MEAN_RADIUS:
+        finding.kind = "untrained"
+        return "never produced: a token added to the vocabulary whose row is still where mean initialisation put it", \
+            where
+    # away from the mean: moved by training, or never mean-initialised; the audit cannot tell which, nor whether
+    # the data holds the token, so it says what it sees
+    finding.kind = "added"
+    plain = ("never produced: a token added to the vocabulary whose row is away from where mean initialisation "
+             "puts new rows, yet cannot win")
+    return plain, where
 
 
 def _reserved(token: str | None) -> bool:
@@ -373,7 +392,10 @@ def summary_lines(findings: list[dict], domain: str) -> list[str]:
         elif kind == "padding":
             lines.append(f"{rows} padding the vocabulary past the tokenizer's length: {id_ranges(ids)}")
         elif kind == "untrained":
-            lines.append(f"{rows} added to the vocabulary and not trained yet: {id_ranges(ids)}")
+            lines.append(f"{rows} added to the vocabulary and still at the mean of the rows: {id_ranges(ids)}")
+        elif kind == "added":
+            lines.append(f"{rows} added to the vocabulary, away from the mean of the rows, that cannot win: "
+                         f"{id_ranges(ids)}")
         elif kind == "hull":
             lines.append(f"{rows} inside the hull of other rows: {id_ranges(ids)}")
         elif kind == "domain":

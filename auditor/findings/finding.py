@@ -23,6 +23,7 @@ class Competitor:
     id: int
     token: str | None
     weight: float
+    can_win: bool | None = None  # whether this row can itself be the argmax (None: this run did not decide it)
 
 
 @dataclass
@@ -88,6 +89,11 @@ def collect_findings(head: Head, report: AuditReport, ceiling: float | None = No
     """Every token that is not argmaxable; with ``ceiling``, also argmaxable tokens whose
     probability ceiling is below it (their upper bound is below ``ceiling``)."""
     findings = []
+    # rows that can never be the argmax, and rows this run did not settle (undecided, inconclusive): a rival's
+    # "can win" is said only where the audit proved it
+    cannot_win = set(report.ids("unargmaxable", groups=True))
+    unsettled = set(report.ids("inconclusive", groups=True)) | (
+        set(report.ids("undecided", groups=True)) if report.counts.get("undecided") else set())
     low = []
     if ceiling is not None:  # from the arrays: building every argmaxable token's verdict would cost seconds
         upper = report.ceilings()[1]
@@ -104,8 +110,17 @@ def collect_findings(head: Head, report: AuditReport, ceiling: float | None = No
             finding.classes = gate_classes(verdict, token.group_verdict, finding.greedy)
             if token.convex_indices is not None:
                 finding.support = len(token.convex_indices)
-                finding.competitors = [Competitor(int(i), head.token(int(i)), float(w)) for i, w in
-                                       zip(token.convex_indices[:_COMPETITORS], token.convex_weights[:_COMPETITORS])]
+                finding.competitors = _competitors(head, token, cannot_win, unsettled)
             findings.append(finding)
     findings.sort(key=lambda f: f.id)
     return findings
+
+
+def _competitors(head, token, cannot_win: set[int], unsettled: set[int]) -> list[Competitor]:
+    """The rows of a convex certificate named as a finding's rivals: by weight, those that may win first (a
+    padding row the certificate leans on can never outscore the token where it matters), then the rest,
+    marked as rows that cannot win; ``can_win`` is None for a row the run did not settle."""
+    support = sorted(zip(token.convex_indices.tolist(), token.convex_weights.tolist()), key=lambda p: -p[1])
+    ranked = [p for p in support if p[0] not in cannot_win] + [p for p in support if p[0] in cannot_win]
+    return [Competitor(int(i), head.token(int(i)), float(w), None if i in unsettled else i not in cannot_win)
+            for i, w in ranked[:_COMPETITORS]]

@@ -68,22 +68,36 @@ def grouped_findings(doc: dict) -> list[tuple[str, list[dict], list[dict]]]:
     """(verdict, the findings shown, the findings left out) per verdict that has findings.
 
     Within a verdict, failing findings come first so an allowed or unchanged one never hides
-    one that fails the run; each part is in id order."""
+    one that fails the run; each part is in id order. Padding rows past the tokenizer's length that do
+    not fail the run are never listed one by one (a padded vocabulary has dozens, and they would bury the
+    findings that matter): they are left out, and the left-out line counts them."""
     groups = []
     for verdict in FINDING_ORDER:
         alike = sorted((f for f in doc["findings"] if f["verdict"] == verdict),
                        key=lambda f: (not is_failing(f, doc), f["id"]))
+        quiet = [f for f in alike if quiet_padding(f, doc)]
+        listed = [f for f in alike if not quiet_padding(f, doc)]
         if alike:
-            groups.append((verdict, alike[:SHOWN_PER_VERDICT], alike[SHOWN_PER_VERDICT:]))
+            groups.append((verdict, listed[:SHOWN_PER_VERDICT], listed[SHOWN_PER_VERDICT:] + quiet))
     return groups
+
+
+def quiet_padding(finding: dict, doc: dict) -> bool:
+    """A padding row past the tokenizer's length that does not fail the run: counted, not listed."""
+    return finding.get("kind") == "padding" and not is_failing(finding, doc)
 
 
 def left_out_line(verdict: str, left_out: list[dict], doc: dict) -> str:
     """The line that stands for the findings of a verdict that were not listed."""
     failing = sum(is_failing(f, doc) for f in left_out)
+    padding = sum(quiet_padding(f, doc) for f in left_out)
     noun = "finding" if len(left_out) == 1 else "findings"
     also = f"{failing} of them failing; " if failing else ""
-    return f"… and {len(left_out)} more {verdict} {noun} ({also}all of them are in --format json)"
+    if padding:
+        rows = "row" if padding == 1 else "rows"
+        also += f"{padding} padding {rows} past the tokenizer's length, listed with --fail-on padding; "
+    more = "" if padding == len(left_out) else "more "
+    return f"… and {len(left_out)} {more}{verdict} {noun} ({also}all of them are in --format json)"
 
 
 def _domain_words(domain: str) -> str:
@@ -154,6 +168,7 @@ def competitors(finding: dict, with_tokens: bool) -> str:
     if not finding["competitors"]:
         return ""
     shown = ", ".join(f"{c['id']}{' ' + token_label(c['token']) if with_tokens else ''} {c['weight']:.2g}"
+                      f"{' (cannot win)' if c.get('can_win') is False else ''}"
                       for c in finding["competitors"][:3])
     more = finding["support"] - min(3, len(finding["competitors"]))
     return shown + (f" (+{more} more)" if more > 0 else "")

@@ -16,7 +16,7 @@ from auditor.errors import InputError
 from auditor.findings.explain import id_ranges
 from auditor.findings.gate import DEFAULT_FAIL_ON, GateResult
 from auditor.formats._common import (FINDING_ORDER, competitors, evidence, has_token_strings, head_lines,
-                                     is_failing, left_out_line, token_label, verdict_counts)
+                                     is_failing, left_out_line, quiet_padding, token_label, verdict_counts)
 from auditor.formats._plots import draw_plots
 from auditor.formats.json_format import document
 from auditor.formats.plot_data import plot_data
@@ -42,6 +42,9 @@ def _e(text) -> str:
 
 # -- the summary (read from the JSON document, like the text and markdown formats) ---------------
 
+_BANNER_TOKENS = 8  # failing tokens the banner names; the table lists them all
+
+
 def _status(doc: dict) -> tuple[str, str]:
     """(verdict word, what the exit code means for this run)."""
     failing = doc["summary"]["failing"]
@@ -50,8 +53,11 @@ def _status(doc: dict) -> tuple[str, str]:
         verdicts = ", ".join(doc["fail_on"])
         are = "are" if failing != 1 else "is"
         nor = " nor unchanged since the baseline" if doc.get("baseline") else ""
+        named = [f"{f['id']} {token_label(f['token'])}" for f in doc["findings"] if is_failing(f, doc)]
+        shown = ", ".join(named[:_BANNER_TOKENS]) + (f" and {len(named) - _BANNER_TOKENS} more"
+                                                     if len(named) > _BANNER_TOKENS else "")
         return "fails", (f"Exit code 1: {failing} finding{'s' if failing != 1 else ''} {are} of a class listed "
-                         f"in --fail-on ({verdicts}) and {are} not allowed{nor}.")
+                         f"in --fail-on ({verdicts}) and {are} not allowed{nor}: {shown}.")
     why = "allowed, unchanged since the baseline or not in --fail-on" if doc.get("baseline") else \
         "allowed or not in --fail-on"
     extra = f" ({quiet} finding{'s are' if quiet != 1 else ' is'} {why})" if quiet else ""
@@ -196,9 +202,11 @@ def _listed(doc: dict) -> tuple[list[dict], list[tuple[str, list[dict]]]]:
     for verdict in FINDING_ORDER:
         alike = sorted((f for f in doc["findings"] if f["verdict"] == verdict),
                        key=lambda f: (not is_failing(f, doc), f["id"]))
+        quiet = [f for f in alike if quiet_padding(f, doc)]  # counted in the left-out line, as in the text report
+        alike = [f for f in alike if not quiet_padding(f, doc)]
         listed += alike[:_ROWS_PER_VERDICT]
-        if alike[_ROWS_PER_VERDICT:]:
-            left_out.append((verdict, alike[_ROWS_PER_VERDICT:]))
+        if alike[_ROWS_PER_VERDICT:] or quiet:
+            left_out.append((verdict, alike[_ROWS_PER_VERDICT:] + quiet))
     return sorted(listed, key=lambda f: f["id"]), left_out
 
 

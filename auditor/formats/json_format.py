@@ -61,7 +61,8 @@ def document(result: GateResult) -> dict:
                 "stage": f.stage,
                 "residual": _number(f.residual),
                 "bias_gap": _number(f.bias_gap),
-                "competitors": [{"id": c.id, "token": c.token, "weight": c.weight} for c in f.competitors],
+                "competitors": [{"id": c.id, "token": c.token, "weight": c.weight, "can_win": c.can_win}
+                                for c in f.competitors],
                 "support": f.support,
                 "tied_with": f.tied_with,
                 "group_verdict": f.group_verdict,

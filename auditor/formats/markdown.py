@@ -44,7 +44,7 @@ def render_document(doc: dict) -> str:
         rule = "| ---: | --- | --- | --- | --- | --- |"
         if with_baseline:
             header, rule = header + " baseline |", rule + " --- |"
-        out += ["", f"### {verdict} ({len(listed) + len(left_out)})", "", header, rule]
+        out += ["", f"### {verdict} ({len(listed) + len(left_out)})"] + (["", header, rule] if listed else [])
         for f in listed:
             token = _cell(token_label(f["token"])) if with_tokens else ""
             row = (f"| {f['id']} | {token} | {f['verdict']} | {_cell(evidence(f, doc))} | "

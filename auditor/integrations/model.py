@@ -41,7 +41,18 @@ def output_head(model, head=None) -> tuple[torch.Tensor, torch.Tensor | None, st
     embedding = inputs() if callable(inputs) else None
     embedded = getattr(embedding, "weight", None)
     tied = isinstance(embedded, torch.Tensor) and embedded.data_ptr() == weight.data_ptr()
-    return weight, bias, type(module).__name__, tied
+    return weight, bias, _module_path(model, module), tied
+
+
+def _module_path(model, module) -> str:
+    """The head's dotted path in the model ("lm_head", "base_model.model.lm_head.modules_to_save.default"), as
+    its state dict names it; its class name where the model does not hold it as a submodule."""
+    named = getattr(model, "named_modules", None)
+    if callable(named):
+        for path, candidate in named():
+            if candidate is module and path:
+                return path
+    return type(module).__name__
 
 
 def token_strings(tokenizer) -> tuple[list[str | None] | None, int | None]:
@@ -92,7 +103,8 @@ def audit_model(model, tokens: str | Iterable[int | str] | None = None, *, token
     (the tokens added to it, and rows past its length), or ids and token strings. ``tokenizer`` (a
     transformers tokenizer or processor) names the tokens. Returns the GateResult the command builds:
     ``findings`` with their explanations and next steps, ``summaries``, ``failing`` and ``exit_code``,
-    and the AuditReport as ``report``. Findings about added tokens are of kind ``untrained``."""
+    and the AuditReport as ``report``. Findings about added tokens are of kind ``untrained`` (still at the mean)
+    or ``added`` (away from it)."""
     weight, bias, name, tied = output_head(model, head)
     strings, base_vocab = token_strings(tokenizer)
     described = Head(weight=weight, bias=bias, weight_name=f"{name}.weight", bias_name=None if bias is None else
@@ -116,8 +128,8 @@ def unproducible_message(result: GateResult, where: str, stopped: bool = True) -
                       for f in result.failing[:20])
     more = f" and {len(result.failing) - 20} more" if len(result.failing) > 20 else ""
     return (f"argmaxability: {'stopped ' if stopped else ''}{where}: the model can never produce "
-            f"{len(result.failing)} watched "
-            f"token(s): {named}{more}; {result.next_steps[0] if result.next_steps else ''}")
+            f"{len(result.failing)} watched token(s): {named}{more}; "
+            f"{result.next_steps[0] if result.next_steps else ''}")
 
 
 def metrics(result) -> dict[str, float]:

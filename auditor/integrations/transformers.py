@@ -13,19 +13,20 @@ TensorBoard, W&B or whatever the Trainer reports to; given no trainer it appends
 ``state.log_history``. At a save it writes the JSON report, as ``audit --format json`` writes it, into the
 checkpoint folder (``checkpoint-N/argmaxability.json``).
 
-The gate is the final push: ``on_push_begin`` outside training (``trainer.push_to_hub()``, also through
-``save_model`` with ``push_to_hub=True``) raises ``UnproducibleTokensError`` naming the watched tokens that
-cannot be produced. The pushes the Trainer makes at its checkpoints during training (``hub_strategy``
-``every_save``, ``checkpoint``, ``all_checkpoints``) only warn: a token that cannot win yet at step 10 may win
-by step 30. At the end of training it says what it found, in a warning when a watched token cannot be
-produced, and raises only when ``stop_at_end``. Under DDP only the main process audits and writes; a head sharded by FSDP or
-ZeRO-3 is reported in one warning, once, with what to do instead.
+The gate is every push but a checkpoint's: ``trainer.push_to_hub()`` (also through ``save_model`` with
+``push_to_hub=True``, and after an interrupted run) raises ``UnproducibleTokensError`` naming the watched
+tokens that cannot be produced. The pushes the Trainer makes as it saves its checkpoints during training
+(``hub_strategy`` ``every_save``, ``checkpoint``, ``all_checkpoints``) only warn: a token that cannot win yet
+at step 10 may win by step 30. At the end of training it says what it found, in a warning when a watched
+token cannot be produced, and raises only when ``stop_at_end``. Under DDP only the main process audits and
+writes; a head sharded by FSDP or ZeRO-3 is reported in one warning, once, with what to do instead.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 try:
     from transformers import TrainerCallback
@@ -58,7 +59,10 @@ class ArgmaxabilityCallback(TrainerCallback):
         self.last = None  # the latest GateResult
         self._step = None  # the step self.last was audited at
         self._warned = False
-        self._training = False  # between on_train_begin and on_train_end: a push is a checkpoint's
+        # A push is a checkpoint's when the Trainer makes it while it saves a checkpoint: between the end of a step
+        # (or epoch) that asks for a save and on_save, which the Trainer calls right after the checkpoint's push.
+        # Any other push (trainer.push_to_hub(), also after an interrupted run) is gated.
+        self._saving = False
 
     def _audit(self, state, model, processing_class):
         if not state.is_world_process_zero or model is None:
@@ -86,26 +90,31 @@ class ArgmaxabilityCallback(TrainerCallback):
         self._audit(state, model, processing_class)
 
     def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
+        self._saving = False
         result = self._audit(state, model, processing_class)
         if result is None:
             return
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if os.path.isdir(folder):
+            result.head.path = Path(folder)  # the report names the checkpoint it belongs to
             with open(os.path.join(folder, self.report_name), "w", encoding="utf-8") as file:
                 file.write(FORMATS["json"](result))
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._training = True
+    def on_step_end(self, args, state, control, **kwargs):
+        self._saving = bool(control.should_save)  # the flow callbacks, called first, have decided
+
+    on_epoch_end = on_step_end
 
     def on_push_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-        if self._training:  # a checkpoint's push: the run goes on, and the tokens may yet learn to win
+        if self._saving:  # a checkpoint's push: the run goes on, and the tokens may yet learn to win
+            self._saving = False
             self._check(state, model, processing_class, f"at the checkpoint push of step {state.global_step}",
                         stop=False)
         elif self.stop_on_push:
             self._check(state, model, processing_class, "before the push to the Hub", stop=True)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-        self._training = False
+        self._saving = False
         self._check(state, model, processing_class, "at the end of training", stop=self.stop_at_end)
 
     def _check(self, state, model, processing_class, where: str, stop: bool) -> None:
