@@ -182,9 +182,9 @@ def test_a_copy_shorter_only_by_rounding_says_so_and_a_larger_bias_is_no_shorter
         assert (found[51].kind == "shorter copy") == (not raised)
 
 
-def test_rivals_are_rows_that_can_win_and_the_others_are_marked():
-    """A certificate may lean on rows that can never win themselves (padding at the mean): they are named after
-    the rows that can, and marked, so that a finding's rivals are the tokens that actually beat it."""
+def test_rivals_that_cannot_win_themselves_are_marked():
+    """A certificate may lean on rows that can never win themselves (padding at the mean): they are marked, so
+    that a reader knows which rivals actually beat the token; the order stays the certificate's."""
     from types import SimpleNamespace
 
     from auditor.findings.finding import _competitors
@@ -193,7 +193,7 @@ def test_rivals_are_rows_that_can_win_and_the_others_are_marked():
                             convex_weights=np.array([0.4, 0.2, 0.2, 0.1, 0.1]))
     head = Head(weight=np.zeros((10, 2), np.float32), tokens=[f"t{k}" for k in range(10)])
     rivals = _competitors(head, token, cannot_win={7, 8}, unsettled={9})
-    assert [(c.id, c.can_win) for c in rivals] == [(3, True), (2, True), (9, None), (7, False), (8, False)]
+    assert [(c.id, c.can_win) for c in rivals] == [(7, False), (3, True), (8, False), (2, True), (9, None)]
 
 
 def test_a_rival_is_said_to_win_only_where_the_audit_proved_it(rng):

@@ -117,10 +117,9 @@ def collect_findings(head: Head, report: AuditReport, ceiling: float | None = No
 
 
 def _competitors(head, token, cannot_win: set[int], unsettled: set[int]) -> list[Competitor]:
-    """The rows of a convex certificate named as a finding's rivals: by weight, those that may win first (a
-    padding row the certificate leans on can never outscore the token where it matters), then the rest,
-    marked as rows that cannot win; ``can_win`` is None for a row the run did not settle."""
-    support = sorted(zip(token.convex_indices.tolist(), token.convex_weights.tolist()), key=lambda p: -p[1])
-    ranked = [p for p in support if p[0] not in cannot_win] + [p for p in support if p[0] in cannot_win]
+    """The rows of a convex certificate named as a finding's rivals, by weight, each marked with whether it can
+    win itself (a padding row the certificate leans on can never outscore the token where it matters);
+    ``can_win`` is None for a row the run did not settle. The order is the certificate's alone, so an audit
+    in blocks names the rivals a whole audit names."""
     return [Competitor(int(i), head.token(int(i)), float(w), None if i in unsettled else i not in cannot_win)
-            for i, w in ranked[:_COMPETITORS]]
+            for i, w in zip(token.convex_indices[:_COMPETITORS].tolist(), token.convex_weights[:_COMPETITORS].tolist())]
