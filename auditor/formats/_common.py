@@ -64,8 +64,8 @@ def is_failing(finding: dict, doc: dict) -> bool:
             and finding.get("baseline") != "unchanged")
 
 
-def grouped_findings(doc: dict) -> list[tuple[str, list[dict], list[dict]]]:
-    """(verdict, the findings shown, the findings left out) per verdict that has findings.
+def grouped_findings(doc: dict, shown: int = SHOWN_PER_VERDICT) -> list[tuple[str, list[dict], list[dict]]]:
+    """(verdict, the findings shown (at most ``shown``), the findings left out) per verdict that has findings.
 
     Within a verdict, failing findings come first so an allowed or unchanged one never hides
     one that fails the run; each part is in id order. Padding rows past the tokenizer's length that do
@@ -78,7 +78,7 @@ def grouped_findings(doc: dict) -> list[tuple[str, list[dict], list[dict]]]:
         quiet = [f for f in alike if quiet_padding(f, doc)]
         listed = [f for f in alike if not quiet_padding(f, doc)]
         if alike:
-            groups.append((verdict, listed[:SHOWN_PER_VERDICT], listed[SHOWN_PER_VERDICT:] + quiet))
+            groups.append((verdict, listed[:shown], listed[shown:] + quiet))
     return groups
 
 

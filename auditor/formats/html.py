@@ -16,7 +16,7 @@ from auditor.errors import InputError
 from auditor.findings.explain import id_ranges
 from auditor.findings.gate import DEFAULT_FAIL_ON, GateResult
 from auditor.formats._common import (FINDING_ORDER, competitors, evidence, has_token_strings, head_lines,
-                                     is_failing, left_out_line, quiet_padding, token_label, verdict_counts)
+                                     grouped_findings, is_failing, left_out_line, token_label, verdict_counts)
 from auditor.formats._plots import draw_plots
 from auditor.formats.json_format import document
 from auditor.formats.plot_data import plot_data
@@ -198,16 +198,9 @@ def _findings(doc: dict) -> str:
 def _listed(doc: dict) -> tuple[list[dict], list[tuple[str, list[dict]]]]:
     """The findings in the table (by id) and, per verdict, those left out: a page stays light in a
     browser even when a ceiling flags most of a large vocabulary. Failing findings are listed first."""
-    listed, left_out = [], []
-    for verdict in FINDING_ORDER:
-        alike = sorted((f for f in doc["findings"] if f["verdict"] == verdict),
-                       key=lambda f: (not is_failing(f, doc), f["id"]))
-        quiet = [f for f in alike if quiet_padding(f, doc)]  # counted in the left-out line, as in the text report
-        alike = [f for f in alike if not quiet_padding(f, doc)]
-        listed += alike[:_ROWS_PER_VERDICT]
-        if alike[_ROWS_PER_VERDICT:] or quiet:
-            left_out.append((verdict, alike[_ROWS_PER_VERDICT:] + quiet))
-    return sorted(listed, key=lambda f: f["id"]), left_out
+    groups = grouped_findings(doc, _ROWS_PER_VERDICT)
+    listed = sorted((f for _, shown, _ in groups for f in shown), key=lambda f: f["id"])
+    return listed, [(verdict, rest) for verdict, _, rest in groups if rest]
 
 
 # -- plots and footer ---------------------------------------------------------------------------
